@@ -1,0 +1,113 @@
+"""Byte accounting and the rank solver that turns `ratio=R` into ranks for a model and a length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import S4RConfig
+from .errors import BudgetError
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The attention shape that decides KV-cache sizes."""
+
+    layers: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    dtype_bytes: int  # bytes of one element in the model's compute dtype
+
+    @classmethod
+    def from_config(cls, config, dtype_bytes: int) -> KVShape:
+        """Read the shape from a transformers config (text config for multimodal wrappers)."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        q_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
+        return cls(cfg.num_hidden_layers, kv_heads, q_heads, head_dim, dtype_bytes)
+
+    def full_bytes_per_token(self) -> int:
+        """Bytes one token takes in the uncompressed cache of one layer (K and V)."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def full_bytes(self, tokens: int) -> int:
+        """Bytes of the uncompressed cache of `tokens` tokens over all layers."""
+        return self.layers * tokens * self.full_bytes_per_token()
+
+
+def group_shape(shape: KVShape, granularity: str) -> tuple[int, int]:
+    """(number of basis groups, width of one group) for a basis granularity."""
+    if granularity == "head":
+        return shape.kv_heads, shape.head_dim
+    return 1, shape.kv_heads * shape.head_dim
+
+
+def coef_bytes(coef_dtype: str, dtype_bytes: int) -> int:
+    """Bytes of one stored coefficient."""
+    return 1 if coef_dtype == "int8" else dtype_bytes
+
+
+def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int, stored: int,
+                        buffer: int) -> int:
+    """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), query window and buffer."""
+    groups, width = group_shape(shape, cfg.granularity)
+    b = shape.dtype_bytes
+    sinks = cfg.sinks * shape.full_bytes_per_token()
+    bases = groups * width * (rank_k + rank_v) * b
+    coefs = groups * stored * (rank_k + rank_v) * coef_bytes(cfg.coef_dtype, b)
+    scales = 2 * groups * stored * b if cfg.coef_dtype == "int8" else 0
+    qwin = shape.q_heads * cfg.query_window * rank_k * b
+    return sinks + bases + coefs + scales + qwin + buffer * shape.full_bytes_per_token()
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Ranks chosen for a target ratio, and the bytes they imply at the planning length."""
+
+    rank_k: int
+    rank_v: int
+    tokens: int
+    planned_bytes: int
+    full_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Ratio at the planning length with a full buffer (the worst case)."""
+        return self.full_bytes / self.planned_bytes
+
+
+def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int) -> RankPlan:
+    """Largest ranks whose stored bytes, with a full buffer, stay within 1/ratio of the full cache.
+
+    The buffer is counted full so a chat can always grow without breaking the ratio: once the buffer is
+    full each new token costs only its coefficients, which the plan keeps below 1/ratio of a full token.
+    """
+    groups, width = group_shape(shape, cfg.granularity)
+    stored = max(tokens - cfg.sinks, 0)
+    full = shape.full_bytes_per_token() * tokens
+    if cfg.rank_k is not None and cfg.rank_v is not None:
+        rk, rv = min(cfg.rank_k, width), min(cfg.rank_v, width)
+        used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
+        return RankPlan(rk, rv, tokens, used * shape.layers, full * shape.layers)
+    assert cfg.ratio is not None
+    budget = full / cfg.ratio
+    for total in range(2 * width, 1, -1):
+        rk = min(width, max(1, round(total * cfg.key_share)))
+        rv = min(width, total - rk)
+        if rv < 1:
+            continue
+        used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
+        if used <= budget:
+            return RankPlan(rk, rv, tokens, used * shape.layers, full * shape.layers)
+    floor = lowrank_layer_bytes(shape, cfg, 1, 1, stored, cfg.buffer_tokens)
+    best = full / floor if floor else float("inf")
+    raise BudgetError(
+        f"ratio {cfg.ratio:g} is not reachable for {tokens} tokens on this model "
+        f"(at most {best:.2f}x with these settings; use a lower --ratio or a longer document)"
+    )
+
+
+def eviction_budget_tokens(shape: KVShape, tokens: int, ratio: float) -> int:
+    """How many full-precision tokens an evicting method may keep for the same bytes as 1/ratio."""
+    return max(1, int(tokens / ratio))

@@ -1,0 +1,100 @@
+"""Every knob of the S4R method in one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+KeySpace = Literal["post_rope", "pre_rope"]
+Granularity = Literal["head", "layer"]
+CoefDtype = Literal["model", "int8"]
+
+
+@dataclass(frozen=True)
+class S4RConfig:
+    """Settings of S4R compression (prefill) and sparse reconstruction (decode).
+
+    Ranks are per basis group: with ``granularity="head"`` every KV head has its own ``head_dim``-wide
+    basis; with ``"layer"`` the KV heads of a layer are concatenated into one ``kv_heads * head_dim``-wide
+    basis. Leave ``rank_k``/``rank_v`` unset to let the budget solver derive them from ``ratio``.
+    """
+
+    # what a compressed cache may store, as a fraction 1/ratio of the uncompressed cache's bytes
+    ratio: float | None = 5.0
+    rank_k: int | None = None
+    rank_v: int | None = None
+    # share of the rank budget given to keys when the solver splits it (keys are usually lower-rank)
+    key_share: float = 0.5
+
+    sinks: int = 4
+    # hybrid sample: `sample_tokens` in all, of which `recent_share` is the most recent contiguous block
+    # and the rest uniform picks over the earlier part; None samples every token (the costly online SVD)
+    sample_tokens: int | None = 2048
+    recent_share: float = 0.25
+    normalize: bool = True
+
+    key_space: KeySpace = "post_rope"
+    granularity: Granularity = "layer"
+    coef_dtype: CoefDtype = "model"
+
+    # decode
+    local_window: int = 32
+    # fraction of the stored tokens reconstructed per step; None means "the storage fraction" 1/ratio
+    recon_fraction: float | None = None
+    top_k: int | None = None
+    pool_kernel: int = 7
+    pool: Literal["avg", "max"] = "avg"
+    query_window: int = 32
+
+    # new tokens stay in full precision until the buffer holds this many; older ones are folded into
+    # coefficients with the existing bases (in batches of `fold_tokens`)
+    buffer_tokens: int = 64
+    fold_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.ratio is not None and not self.ratio >= 1.0:
+            raise ValueError(f"ratio must be at least 1, got {self.ratio}")
+        if self.ratio is None and (self.rank_k is None or self.rank_v is None):
+            raise ValueError("give either a ratio or both rank_k and rank_v")
+        if not 0.0 < self.key_share < 1.0:
+            raise ValueError("key_share must be in (0, 1)")
+        if self.sinks < 0 or self.local_window < 0 or self.query_window < 1:
+            raise ValueError("sinks and local_window must be >= 0, query_window >= 1")
+        if self.sample_tokens is not None and self.sample_tokens < 1:
+            raise ValueError("sample_tokens must be positive (or None for all tokens)")
+        if not 0.0 <= self.recent_share <= 1.0:
+            raise ValueError("recent_share must be in [0, 1]")
+        if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:
+            raise ValueError("recon_fraction must be in (0, 1]")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError("pool_kernel must be a positive odd number")
+        if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
+            raise ValueError("need 1 <= fold_tokens <= buffer_tokens")
+
+    @classmethod
+    def paper(cls, ratio: float = 5.0) -> S4RConfig:
+        """The paper's literal settings: bf16 coefficients, even K/V split, W=32, kernel 7, p = 1/ratio."""
+        return cls(ratio=ratio, key_share=0.5, sample_tokens=1024, recent_share=0.5, normalize=True,
+                   key_space="post_rope", granularity="head", coef_dtype="model", query_window=32,
+                   pool_kernel=7, recon_fraction=None)
+
+    def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
+        """A copy with `overrides` applied; unknown keys raise ValueError."""
+        if not overrides:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown S4R setting(s): {', '.join(unknown)}")
+        return replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for saved caches and reports)."""
+        return asdict(self)
+
+    def reconstruct_count(self, stored_tokens: int) -> int:
+        """How many compressed tokens to reconstruct per decode step (besides the local window)."""
+        if self.top_k is not None:
+            return min(self.top_k, stored_tokens)
+        frac = self.recon_fraction if self.recon_fraction is not None else 1.0 / (self.ratio or 1.0)
+        return min(stored_tokens, max(1, int(round(frac * stored_tokens))))

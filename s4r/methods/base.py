@@ -1,0 +1,28 @@
+"""What a compression method is: a dataclass that turns a staged (full) cache into its stored form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..cache import S4RCache
+from ..rope import RopeFn
+
+
+@dataclass(frozen=True)
+class CompressContext:
+    """What a method may use besides the staged cache."""
+
+    rope: RopeFn | None
+    ratio: float
+
+
+class Method(Protocol):
+    """A KV-cache method: `query_window` tells the prefill how many last queries to keep for it."""
+
+    name: str
+    query_window: int
+
+    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+        """Compress `cache` in place after prefill; return what it chose (ranks, kept tokens...)."""
+        ...

@@ -1,0 +1,346 @@
+"""`Session`: ingest documents into a compressed cache, answer questions, report memory and speed."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .attention import install
+from .budget import KVShape
+from .cache import S4RCache
+from .chat_format import chat_segments
+from .errors import BudgetError, CacheFileError, ContextTooLongError
+from .generation import forward_tokens, prefill, sample_token
+from .memory import MemoryReport, peak_memory_bytes
+from .methods import METHODS, CompressContext, make_method
+from .persist import load_cache, read_header, save_cache
+from .rope import model_rope_fn
+
+__all__ = ["METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
+
+# tokens kept free after the documents for the question and the start of an answer
+ANSWER_HEADROOM = 512
+
+
+@dataclass(frozen=True)
+class IngestStats:
+    """Timing of one ingest: prefill (model forward) and compression."""
+
+    tokens: int
+    seconds: float
+    prefill_seconds: float
+    compress_seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """Figures of one question/answer turn."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_mem_bytes: int
+    memory: MemoryReport
+    interrupted: bool = False
+
+
+def truncate_ids(ids: list[int], limit: int, how: str) -> list[int]:
+    """Keep at most `limit` token ids: the head, the tail, or both ends around a dropped middle."""
+    if len(ids) <= limit:
+        return ids
+    if how == "head":
+        return ids[:limit]
+    if how == "tail":
+        return ids[len(ids) - limit :]
+    if how == "middle":
+        first = limit // 2
+        return ids[:first] + ids[len(ids) - (limit - first) :]
+    raise ValueError(f"unknown truncation '{how}' (head, tail or middle)")
+
+
+def model_fingerprint(model) -> str:
+    """Identity of a model's shape and weights (a sample of them), to refuse foreign saved caches."""
+    digest = hashlib.sha256()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size"):
+        digest.update(f"{key}={getattr(cfg, key, None)};".encode())
+    emb = model.get_input_embeddings().weight
+    digest.update(emb.detach()[:8].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class Session:
+    """A long-document chat over one model with one KV-cache method.
+
+    `loaded` is an `s4r.loading.LoadedModel` (or anything with model, tokenizer, name, device, dtype and
+    context_length). The documents are prefilled in chunks and compressed once; questions and answers
+    go through the compressed cache.
+    """
+
+    def __init__(self, loaded, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
+                 truncate: str | None = None, config_overrides: dict[str, Any] | None = None,
+                 chunk_size: int = 512) -> None:
+        if method != "full" and not ratio >= 1.0:
+            raise BudgetError(f"ratio must be at least 1, got {ratio:g}")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = torch.device(loaded.device)
+        self.context_length = int(loaded.context_length)
+        self.method = method
+        self.ratio_requested = float(ratio)
+        self.system = system
+        self.truncate = truncate
+        self.config_overrides = dict(config_overrides or {})
+        self.chunk_size = chunk_size
+        try:
+            self._method = make_method(method, ratio, self.config_overrides)
+        except ValueError as exc:
+            raise BudgetError(str(exc)) from None
+        dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else next(self.model.parameters()).dtype
+        self.shape = KVShape.from_config(self.model.config, torch.empty(0, dtype=dtype).element_size())
+        self.segments = chat_segments(self.tokenizer, system)
+        self.rope = model_rope_fn(self.model)
+        install(self.model)
+        self.cache: S4RCache | None = None
+        self.compress_info: dict[str, Any] = {}
+        self.document_tokens = 0
+        self.documents: list[str] = []
+        self._state = "empty"  # empty | open (inside a user message) | closed (after an answer)
+        self._doc_checkpoint: tuple[int, str] | None = None
+        self._stop_ids = self._stop_token_ids()
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def _stop_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.tokenizer, "eos_token_id", None),
+                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<end_of_turn>"):
+            convert = getattr(self.tokenizer, "convert_tokens_to_ids", None)
+            tid = convert(token) if convert is not None else None
+            unk = getattr(self.tokenizer, "unk_token_id", None)
+            if isinstance(tid, int) and tid != unk and tid >= 0:
+                ids.add(tid)
+        return ids
+
+    def _turn_prefix(self) -> str:
+        """Text that opens new user content in the current conversation state."""
+        seg = self.segments
+        return {"empty": seg.first_user, "open": "\n\n", "closed": seg.next_user}[self._state]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _new_cache(self) -> S4RCache:
+        return S4RCache(self.shape.layers, self.shape, query_window=self._method.query_window)
+
+    @property
+    def logical_length(self) -> int:
+        """Tokens the model has seen in this session."""
+        return self.cache.logical_length() if self.cache is not None else 0
+
+    def memory(self) -> MemoryReport:
+        """Stored KV bytes, the uncompressed equivalent and the token count now."""
+        if self.cache is None:
+            return MemoryReport(0, 0, 0)
+        return MemoryReport(self.cache.nbytes(), self.cache.full_nbytes(), self.cache.logical_length())
+
+    # --- documents --------------------------------------------------------------------------------
+    def ingest(self, text: str | list[str], *, name: str | None = None,
+               progress: Callable[[int, int], None] | None = None) -> IngestStats:
+        """Add one document (or several, joined) to the conversation and compress the cache.
+
+        The first ingest prefills into a full-precision staging cache and compresses it once; later
+        ones go through the compressed cache and fold into coefficients with the existing bases.
+        """
+        texts = [text] if isinstance(text, str) else list(text)
+        body = "\n\n".join(t.strip("\n") for t in texts)
+        head_ids = self._encode(self._turn_prefix())
+        doc_ids = self._encode(body)
+        room = self.context_length - self.logical_length - len(head_ids) - ANSWER_HEADROOM
+        if len(doc_ids) > room:
+            if self.truncate is None:
+                total = self.logical_length + len(head_ids) + len(doc_ids) + ANSWER_HEADROOM
+                raise ContextTooLongError(total, self.context_length)
+            if room <= 0:
+                raise ContextTooLongError(self.logical_length + ANSWER_HEADROOM, self.context_length)
+            doc_ids = truncate_ids(doc_ids, room, self.truncate)
+        ids = head_ids + doc_ids
+        stats = self._ingest_ids(ids, progress)
+        self.document_tokens += len(doc_ids)
+        self.documents.append(name or f"document {len(self.documents) + 1}")
+        self._state = "open"
+        self._doc_checkpoint = (self.logical_length, self._state)
+        return stats
+
+    def _ingest_ids(self, ids: list[int], progress: Callable[[int, int], None] | None) -> IngestStats:
+        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        fresh = self.cache is None
+        if fresh:
+            self.cache = self._new_cache()
+        start = self.logical_length
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
+        except KeyboardInterrupt:
+            # an interrupted ingest leaves the session as it was before it
+            if fresh:
+                self.cache = None
+            else:
+                self.cache.truncate(start)
+            raise
+        t1 = time.perf_counter()
+        if fresh:
+            with torch.inference_mode():
+                try:
+                    self.compress_info = self._method.compress(
+                        self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+                except BudgetError:
+                    self.cache = None
+                    raise
+        else:
+            self.cache.compact()
+        t2 = time.perf_counter()
+        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1)
+
+    def clear(self) -> None:
+        """Forget the conversation after the documents; keep the documents."""
+        if self.cache is None or self._doc_checkpoint is None:
+            self.cache, self._state = None, "empty"
+            return
+        self.cache.truncate(self._doc_checkpoint[0])
+        self._state = self._doc_checkpoint[1]
+
+    # --- questions --------------------------------------------------------------------------------
+    def ask(self, question: str, *, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int | None = None, on_token: Callable[[str], None] | None = None) -> tuple[str, TurnStats]:
+        """Answer `question` about the documents; streams text pieces through `on_token`.
+
+        Ctrl-C (KeyboardInterrupt) stops the answer: the partial answer is returned with
+        `interrupted=True` and the session stays usable.
+        """
+        ids = self._encode(self._turn_prefix() + question.strip() + self.segments.to_assistant)
+        if self.logical_length + len(ids) + 1 > self.context_length:
+            raise ContextTooLongError(self.logical_length + len(ids), self.context_length)
+        max_new_tokens = min(max_new_tokens, self.context_length - self.logical_length - len(ids))
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+        if self.cache is None:
+            # no document: the question itself is the prompt that gets compressed (when it can be)
+            self.cache = self._new_cache()
+            fresh = True
+        else:
+            fresh = False
+        start_len, start_state = self.logical_length, self._state
+        generated: list[int] = []
+        emitted = ""
+        interrupted = False
+        t0 = time.perf_counter()
+        t_first = t_end = None
+        try:
+            with torch.inference_mode():
+                tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+                logits = prefill(self.model, self.cache, tensor, start_len, self.chunk_size)
+                if fresh:
+                    try:
+                        self.compress_info = self._method.compress(
+                            self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+                    except BudgetError:
+                        self.compress_info = {"note": "prompt too short to compress; kept in full"}
+                self._state = "closed"
+                for _ in range(max_new_tokens):
+                    token = sample_token(logits.float(), temperature, top_p, generator)
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    if token in self._stop_ids:
+                        break
+                    generated.append(token)
+                    text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                    if not text.endswith("\ufffd") and len(text) > len(emitted):
+                        if on_token is not None:
+                            on_token(text[len(emitted):])
+                        emitted = text
+                    tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
+                    logits = forward_tokens(self.model, self.cache, tok, self.cache.logical_length())
+        except KeyboardInterrupt:
+            interrupted = True
+            if t_first is None:
+                # stopped while reading the question: as if it was never asked
+                self.cache.truncate(start_len)
+                self._state = start_state
+                if fresh:
+                    self.cache = None
+            else:
+                self.cache.truncate(self.cache.consistent_length())
+        t_end = time.perf_counter()
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        if on_token is not None and len(text) > len(emitted) and text.startswith(emitted):
+            on_token(text[len(emitted):])
+        ttft = (t_first or t_end) - t0
+        decode_s = t_end - (t_first or t_end)
+        stats = TurnStats(
+            prompt_tokens=len(ids), generated_tokens=len(generated), ttft_s=ttft,
+            prefill_tok_s=len(ids) / ttft if ttft > 0 else 0.0,
+            decode_tok_s=(len(generated) - 1) / decode_s if decode_s > 0 and len(generated) > 1 else 0.0,
+            peak_mem_bytes=peak_memory_bytes(self.device), memory=self.memory(), interrupted=interrupted)
+        return text, stats
+
+    # --- persistence ------------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {"model": str(self.loaded.name), "fingerprint": model_fingerprint(self.model),
+                "method": self.method, "ratio": self.ratio_requested if self.method != "full" else None,
+                "overrides": self.config_overrides, "dtype": str(self.shape.dtype_bytes)}
+
+    def save(self, path: str | Path) -> None:
+        """Save the compressed cache and what is needed to continue the conversation."""
+        if self.cache is None:
+            raise CacheFileError("nothing to save yet: ingest a document first")
+        meta = {"identity": self._identity(), "system": self.system, "state": self._state,
+                "document_tokens": self.document_tokens, "documents": self.documents,
+                "doc_checkpoint": list(self._doc_checkpoint) if self._doc_checkpoint else None,
+                "compress_info": self.compress_info, "tokens": self.logical_length}
+        save_cache(path, self.cache, meta)
+
+    @classmethod
+    def load(cls, path: str | Path, loaded, **kwargs: Any) -> Session:
+        """A session continuing from a saved cache; refuses caches of another model or settings."""
+        header = read_header(path)
+        meta = header.get("meta", {})
+        kwargs.setdefault("system", meta.get("system"))
+        session = cls(loaded, **kwargs)
+        saved, ours = meta.get("identity", {}), session._identity()
+        for key, label, shown in (("fingerprint", "model", "model"), ("method", "method", "method"),
+                                  ("ratio", "ratio", "ratio"), ("overrides", "settings", "overrides"),
+                                  ("dtype", "dtype bytes", "dtype")):
+            if saved.get(key) != ours.get(key):
+                raise CacheFileError(f"saved cache {path} was made with {label} {saved.get(shown)!r}, "
+                                     f"this session uses {ours.get(shown)!r}")
+        cache = session._new_cache()
+        load_cache(path, cache, session.rope, session.device)
+        session.cache = cache
+        session._state = meta.get("state", "open")
+        session.document_tokens = int(meta.get("document_tokens", 0))
+        session.documents = list(meta.get("documents", []))
+        cp = meta.get("doc_checkpoint")
+        session._doc_checkpoint = (int(cp[0]), str(cp[1])) if cp else None
+        session.compress_info = meta.get("compress_info", {})
+        return session

@@ -1,0 +1,71 @@
+"""Pure tensor functions of S4R's prefill: hybrid sampling, normalization, bases, coefficients."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hybrid_sample_indices(n: int, sample: int | None, recent_share: float) -> torch.Tensor:
+    """Indices of a hybrid sample of `n` tokens: uniform picks over the early part + the recent block.
+
+    Returns every index when `sample` is None or covers all tokens.
+    """
+    if sample is None or sample >= n:
+        return torch.arange(n)
+    recent = min(n, int(round(sample * recent_share)))
+    early = sample - recent
+    start_recent = n - recent
+    picks = torch.linspace(0, max(start_recent - 1, 0), steps=early).round().long() if early > 0 else None
+    recent_idx = torch.arange(start_recent, n)
+    if picks is None or start_recent == 0:
+        return recent_idx
+    return torch.unique(torch.cat([picks, recent_idx]))
+
+
+def normalize_rows(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Scale each token vector (last dim) to unit L2 norm so large-norm tokens do not dominate the SVD."""
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def fit_basis(sample: torch.Tensor, rank: int) -> torch.Tensor:
+    """Orthonormal basis [groups, width, rank] of the top right-singular vectors of `sample`.
+
+    `sample` is [groups, tokens, width]; the SVD runs in fp32 whatever the input dtype. When the sample
+    has fewer tokens than `rank`, the basis is completed with an orthonormal complement so the rank is
+    always honoured.
+    """
+    x = sample.float()
+    groups, _, width = x.shape
+    rank = min(rank, width)
+    _, _, vh = torch.linalg.svd(x, full_matrices=False)
+    basis = vh.transpose(1, 2)[:, :, :rank]
+    if basis.shape[-1] < rank:
+        # fewer sampled tokens than the rank: complete with an orthonormal complement (seeded, so
+        # the same input always gives the same basis)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        extra = torch.randn(groups, width, rank - basis.shape[-1], generator=gen).to(x.device)
+        basis, _ = torch.linalg.qr(torch.cat([basis, extra], dim=-1))
+    return basis.contiguous()
+
+
+def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Coefficients of token vectors `x` [groups, tokens, width] on an orthonormal `basis`."""
+    return torch.matmul(x.to(basis.dtype), basis)
+
+
+def reconstruct(coef: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Token vectors from coefficients: coef [groups, tokens, rank] @ basis^T."""
+    return torch.matmul(coef, basis.transpose(-1, -2))
+
+
+def quantize_int8(coef: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per token (last dim): returns (int8 values, scale [.., 1])."""
+    amax = coef.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8)
+    scale = amax / 127.0
+    q = torch.round(coef.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(scale_dtype)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_int8`, in `dtype`."""
+    return q.to(dtype) * scale.to(dtype)

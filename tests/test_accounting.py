@@ -1,0 +1,81 @@
+"""The achieved byte ratio holds at prefill and through a long answer; nbytes hides nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from s4r.attention import install
+from s4r.budget import KVShape, solve_ranks
+from s4r.cache import S4RCache
+from s4r.config import S4RConfig
+from s4r.errors import BudgetError
+from s4r.generation import forward_tokens, prefill, sample_token
+from s4r.methods import CompressContext, make_method
+from s4r.rope import model_rope_fn
+from tests.helpers import tiny_model
+
+
+def all_tensor_bytes(layer) -> int:
+    """Independent count: every tensor attribute the layer holds."""
+    return sum(v.numel() * v.element_size() for v in vars(layer).values() if isinstance(v, torch.Tensor))
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model("llama", num_hidden_layers=2, head_dim=32, hidden_size=128)
+    install(m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def staged_doc(model):
+    return torch.randint(0, model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("ratio", [2, 3, 5, 8])
+@pytest.mark.parametrize("coef_dtype", ["model", "int8"])
+def test_ratio_holds_after_prefill_and_500_tokens(model, staged_doc, ratio, coef_dtype):
+    method = make_method("s4r", ratio, {"coef_dtype": coef_dtype})
+    shape = KVShape.from_config(model.config, 4)
+    cache = S4RCache(shape.layers, shape, query_window=method.query_window)
+    with torch.inference_mode():
+        logits = prefill(model, cache, staged_doc, 0, chunk_size=512)
+        method.compress(cache, CompressContext(model_rope_fn(model), ratio))
+        assert cache.ratio() >= ratio
+        assert cache.nbytes() == sum(all_tensor_bytes(layer) for layer in cache.layers)
+        for _ in range(500):
+            token = sample_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(4))
+            logits = forward_tokens(model, cache, torch.tensor([[token]]), cache.logical_length())
+            assert cache.ratio() >= ratio
+    assert cache.logical_length() == 4096 + 500
+    assert cache.nbytes() == sum(all_tensor_bytes(layer) for layer in cache.layers)
+    # the buffer stayed within its cap: the answer was folded into coefficients
+    assert cache.layers[0].buf_k.shape[1] <= method.config.buffer_tokens
+
+
+def test_full_cache_reports_ratio_one(model, staged_doc):
+    method = make_method("full", 1.0)
+    shape = KVShape.from_config(model.config, 4)
+    cache = S4RCache(shape.layers, shape, query_window=method.query_window)
+    with torch.inference_mode():
+        prefill(model, cache, staged_doc[:1000], 0, chunk_size=256)
+    method.compress(cache, CompressContext(None, 1.0))
+    assert cache.nbytes() == cache.full_nbytes() == shape.full_bytes(1000)
+    assert cache.ratio() == 1.0
+
+
+def test_impossible_ratio_is_a_budget_error():
+    shape = KVShape(layers=2, kv_heads=2, q_heads=4, head_dim=16, dtype_bytes=2)
+    with pytest.raises(BudgetError, match="not reachable"):
+        solve_ranks(shape, S4RConfig(ratio=50.0), tokens=200)
+    with pytest.raises(ValueError):
+        S4RConfig(ratio=0.5)
+
+
+def test_solver_uses_int8_for_more_rank():
+    shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
+    model_dtype = solve_ranks(shape, S4RConfig(ratio=5.0, coef_dtype="model"), tokens=4096)
+    int8 = solve_ranks(shape, S4RConfig(ratio=5.0, coef_dtype="int8"), tokens=4096)
+    assert int8.rank_k + int8.rank_v > 1.6 * (model_dtype.rank_k + model_dtype.rank_v)
+    assert model_dtype.ratio >= 5.0 and int8.ratio >= 5.0
