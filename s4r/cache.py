@@ -52,6 +52,19 @@ class S4RCache(Cache):
             if type(layer) is FullLayer:
                 self.layers[i] = build(i, layer)
 
+    def copy_staged(self) -> S4RCache:
+        """An independent copy of a staged (uncompressed) cache."""
+        other = S4RCache(len(self.layers), self.shape)
+        for i, layer in enumerate(self.layers):
+            if type(layer) is not FullLayer:
+                raise TypeError("copy_staged needs an uncompressed cache")
+            copy = FullLayer(layer.query_window)
+            if layer.logical:
+                copy.update(layer.keys_view.clone(), layer.values_view.clone())
+            copy.queries = None if layer.queries is None else layer.queries.clone()
+            other.layers[i] = copy
+        return other
+
     def truncate(self, logical: int) -> None:
         """Forget every token at or past position `logical` in every layer."""
         for layer in self.layers:

@@ -134,14 +134,6 @@ def to_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2])
 
 
-def from_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of `to_groups`: [G, n, width] -> [H, n, d]."""
-    if x.shape[0] == heads:
-        return x
-    n = x.shape[1]
-    return x[0].view(n, heads, x.shape[2] // heads).transpose(0, 1)
-
-
 def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
     """[G, width, r] basis -> [H, d, r]: the rows of the basis that belong to each KV head (a view)."""
     if basis.shape[0] == heads:

@@ -15,7 +15,7 @@ from .attention import install
 from .budget import KVShape
 from .cache import S4RCache
 from .chat_format import chat_segments
-from .errors import BudgetError, CacheFileError, ContextTooLongError
+from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import forward_tokens, prefill, sample_token
 from .memory import MemoryReport, peak_memory_bytes
 from .methods import METHODS, CompressContext, make_method
@@ -26,6 +26,7 @@ __all__ = ["METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
 
 # tokens kept free after the documents for the question and the start of an answer
 ANSWER_HEADROOM = 512
+STAGING_QUERY_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Session:
         self._state = "empty"  # empty | open (inside a user message) | closed (after an answer)
         self._doc_checkpoint: tuple[int, str] | None = None
         self._stop_ids = self._stop_token_ids()
+        self.compress_seconds = 0.0
 
     # --- helpers ----------------------------------------------------------------------------------
     def _stop_token_ids(self) -> set[int]:
@@ -149,7 +151,9 @@ class Session:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _new_cache(self) -> S4RCache:
-        return S4RCache(self.shape.layers, self.shape, query_window=self._method.query_window)
+        # keep enough recent queries for any method a staged session may be forked into
+        window = max(self._method.query_window, STAGING_QUERY_WINDOW)
+        return S4RCache(self.shape.layers, self.shape, query_window=window)
 
     @property
     def logical_length(self) -> int:
@@ -164,11 +168,13 @@ class Session:
 
     # --- documents --------------------------------------------------------------------------------
     def ingest(self, text: str | list[str], *, name: str | None = None,
-               progress: Callable[[int, int], None] | None = None) -> IngestStats:
+               progress: Callable[[int, int], None] | None = None, compress: bool = True) -> IngestStats:
         """Add one document (or several, joined) to the conversation and compress the cache.
 
         The first ingest prefills into a full-precision staging cache and compresses it once; later
         ones go through the compressed cache and fold into coefficients with the existing bases.
+        With `compress=False` the first ingest stays staged, so `fork` can compress copies of it with
+        several methods (the benchmark prefills each document once).
         """
         texts = [text] if isinstance(text, str) else list(text)
         body = "\n\n".join(t.strip("\n") for t in texts)
@@ -183,14 +189,15 @@ class Session:
                 raise ContextTooLongError(self.logical_length + ANSWER_HEADROOM, self.context_length)
             doc_ids = truncate_ids(doc_ids, room, self.truncate)
         ids = head_ids + doc_ids
-        stats = self._ingest_ids(ids, progress)
+        stats = self._ingest_ids(ids, progress, compress)
         self.document_tokens += len(doc_ids)
         self.documents.append(name or f"document {len(self.documents) + 1}")
         self._state = "open"
         self._doc_checkpoint = (self.logical_length, self._state)
         return stats
 
-    def _ingest_ids(self, ids: list[int], progress: Callable[[int, int], None] | None) -> IngestStats:
+    def _ingest_ids(self, ids: list[int], progress: Callable[[int, int], None] | None,
+                    compress: bool = True) -> IngestStats:
         tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
         fresh = self.cache is None
         if fresh:
@@ -208,18 +215,36 @@ class Session:
                 self.cache.truncate(start)
             raise
         t1 = time.perf_counter()
-        if fresh:
-            with torch.inference_mode():
-                try:
-                    self.compress_info = self._method.compress(
-                        self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
-                except BudgetError:
-                    self.cache = None
-                    raise
-        else:
+        if fresh and compress:
+            try:
+                self._compress()
+            except BudgetError:
+                self.cache = None
+                raise
+        elif not fresh:
             self.cache.compact()
         t2 = time.perf_counter()
         return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1)
+
+    def _compress(self) -> None:
+        with torch.inference_mode():
+            self.compress_info = self._method.compress(
+                self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+
+    def fork(self, *, method: str, ratio: float, config_overrides: dict[str, Any] | None = None) -> Session:
+        """A new session over a copy of this one's staged (uncompressed) documents, compressed with
+        `method`. Its `compress_seconds` tells how long the compression alone took."""
+        if self.cache is None or self.cache.is_compressed():
+            raise S4RError("fork needs a session whose documents were ingested with compress=False")
+        other = Session(self.loaded, method=method, ratio=ratio, system=self.system, truncate=self.truncate,
+                        config_overrides=config_overrides, chunk_size=self.chunk_size)
+        other.cache = self.cache.copy_staged()
+        other.document_tokens, other.documents = self.document_tokens, list(self.documents)
+        other._state, other._doc_checkpoint = self._state, self._doc_checkpoint
+        t0 = time.perf_counter()
+        other._compress()
+        other.compress_seconds = time.perf_counter() - t0
+        return other
 
     def clear(self) -> None:
         """Forget the conversation after the documents; keep the documents."""
@@ -231,13 +256,15 @@ class Session:
 
     # --- questions --------------------------------------------------------------------------------
     def ask(self, question: str, *, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-            seed: int | None = None, on_token: Callable[[str], None] | None = None) -> tuple[str, TurnStats]:
+            seed: int | None = None, on_token: Callable[[str], None] | None = None,
+            prime: str = "") -> tuple[str, TurnStats]:
         """Answer `question` about the documents; streams text pieces through `on_token`.
 
         Ctrl-C (KeyboardInterrupt) stops the answer: the partial answer is returned with
-        `interrupted=True` and the session stays usable.
+        `interrupted=True` and the session stays usable. `prime` starts the answer with given text (as
+        benchmarks do); it is part of the prompt, not of the returned answer.
         """
-        ids = self._encode(self._turn_prefix() + question.strip() + self.segments.to_assistant)
+        ids = self._encode(self._turn_prefix() + question.strip() + self.segments.to_assistant + prime)
         if self.logical_length + len(ids) + 1 > self.context_length:
             raise ContextTooLongError(self.logical_length + len(ids), self.context_length)
         max_new_tokens = min(max_new_tokens, self.context_length - self.logical_length - len(ids))
