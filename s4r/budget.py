@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .config import S4RConfig
 from .errors import BudgetError
 
@@ -50,7 +52,7 @@ def coef_bytes(coef_dtype: str, dtype_bytes: int) -> int:
 
 def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int, stored: int,
                         buffer: int) -> int:
-    """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), query window and buffer."""
+    """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), query window, outliers, buffer."""
     groups, width = group_shape(shape, cfg.granularity)
     b = shape.dtype_bytes
     sinks = cfg.sinks * shape.full_bytes_per_token()
@@ -58,7 +60,8 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
     coefs = groups * stored * (rank_k + rank_v) * coef_bytes(cfg.coef_dtype, b)
     scales = 2 * groups * stored * b if cfg.coef_dtype == "int8" else 0
     qwin = shape.q_heads * cfg.query_window * rank_k * b
-    return sinks + bases + coefs + scales + qwin + buffer * shape.full_bytes_per_token()
+    outliers = cfg.outlier_count(stored) * (shape.full_bytes_per_token() + 4)  # + an int32 index
+    return sinks + bases + coefs + scales + qwin + outliers + buffer * shape.full_bytes_per_token()
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,42 @@ def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int) -> RankPlan:
         f"ratio {cfg.ratio:g} is not reachable for {tokens} tokens on this model "
         f"(at most {best:.2f}x with these settings; use a lower --ratio or a longer document)"
     )
+
+
+def allocate_ranks(shape: KVShape, cfg: S4RConfig, tokens: int,
+                   energies: list[tuple[torch.Tensor, torch.Tensor]],
+                   min_rank: int = 1) -> list[tuple[int, int]]:
+    """Per-layer (rank_k, rank_v) that capture the most sample energy within the byte budget.
+
+    `energies[i]` holds, for layer i, the share of its normalized sample's energy each key/value basis
+    column captures (descending). Every column costs the same bytes per unit of rank within a kind, so
+    taking columns in order of energy per byte across all layers and both kinds is the greedy optimum;
+    layers and kinds whose spectra are flat get more rank than those whose energy is concentrated.
+    """
+    assert cfg.ratio is not None
+    stored = max(tokens - cfg.sinks, 0)
+    budget = shape.full_bytes(tokens) / cfg.ratio
+
+    def layer_bytes(rk: int, rv: int) -> int:
+        return lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
+
+    ranks = [[min_rank, min_rank] for _ in energies]
+    used = sum(layer_bytes(rk, rv) for rk, rv in ranks)
+    if used > budget:
+        raise BudgetError(
+            f"ratio {cfg.ratio:g} is not reachable for {tokens} tokens on this model "
+            f"(at most {shape.full_bytes(tokens) / used:.2f}x with these settings; use a lower --ratio "
+            "or a longer document)")
+    unit = (layer_bytes(2, 1) - layer_bytes(1, 1), layer_bytes(1, 2) - layer_bytes(1, 1))
+    candidates = [(float(share) / unit[kind], layer, kind)
+                  for layer, pair in enumerate(energies) for kind in (0, 1)
+                  for share in pair[kind][min_rank:].tolist()]
+    candidates.sort(key=lambda c: -c[0])
+    for _, layer, kind in candidates:
+        if used + unit[kind] <= budget:
+            ranks[layer][kind] += 1
+            used += unit[kind]
+    return [(rk, rv) for rk, rv in ranks]
 
 
 def eviction_budget_tokens(shape: KVShape, tokens: int, ratio: float) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .config import S4RConfig
@@ -10,37 +12,91 @@ from .rope import RopeFn, undo_rope
 from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, quantize_int8
 
 
+@dataclass
+class LayerBases:
+    """Bases of one layer (columns ordered by singular value) and the sample's energy per column."""
+
+    k: torch.Tensor  # [G, width, r_k] fp32
+    v: torch.Tensor  # [G, width, r_v] fp32
+    energy_k: torch.Tensor | None = None  # [r_k]: share of the normalized sample's energy, summed over groups
+    energy_v: torch.Tensor | None = None
+
+    def truncated(self, rank_k: int, rank_v: int) -> LayerBases:
+        """The leading `rank_k` / `rank_v` columns."""
+        return LayerBases(self.k[..., :rank_k], self.v[..., :rank_v])
+
+
+def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
+                       rope: RopeFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-sink keys/values as fp32 basis groups [G, N, width]; keys un-rotated for pre-RoPE spaces."""
+    heads, total, _ = keys.shape
+    s = min(cfg.sinks, total)
+    groups = heads if cfg.granularity == "head" else 1
+    k_rest = keys[:, s:].float()
+    if cfg.key_space == "pre_rope":
+        if rope is None:
+            raise ValueError("pre-RoPE keys need the model's rotary embedding")
+        k_rest = undo_rope(k_rest, *(t.float() for t in rope(torch.arange(s, total))))
+    return to_groups(k_rest, groups), to_groups(values[:, s:].float(), groups)
+
+
+def _fit(groups: torch.Tensor, idx: torch.Tensor, cfg: S4RConfig,
+         rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    sample = groups[:, idx]
+    if cfg.normalize:
+        sample = normalize_rows(sample)
+    basis = fit_basis(sample, rank)
+    # energy captured per basis column, as a share of the sample's total (comparable across layers)
+    captured = torch.matmul(sample, basis).pow(2).sum(dim=(0, 1))
+    return basis, captured / sample.pow(2).sum().clamp_min(1e-12)
+
+
+def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                    rank_k: int, rank_v: int) -> LayerBases:
+    """SVD (fp32) bases on a normalized hybrid sample of the non-sink tokens of one layer."""
+    k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
+    idx = hybrid_sample_indices(k_groups.shape[1], cfg.sample_tokens, cfg.recent_share).to(keys.device)
+    basis_k, energy_k = _fit(k_groups, idx, cfg, rank_k)
+    basis_v, energy_v = _fit(v_groups, idx, cfg, rank_v)
+    return LayerBases(basis_k, basis_v, energy_k, energy_v)
+
+
+def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Per token [N]: squared projection error over squared norm, summed over basis groups."""
+    err = x - torch.matmul(torch.matmul(x, basis), basis.transpose(1, 2))
+    return err.pow(2).sum(dim=(0, 2)) / x.pow(2).sum(dim=(0, 2)).clamp_min(1e-12)
+
+
+def outlier_tokens(k_groups: torch.Tensor, v_groups: torch.Tensor, basis_k: torch.Tensor,
+                   basis_v: torch.Tensor, count: int, exclude_tail: int = 0) -> torch.Tensor:
+    """Indices (sorted) of the `count` tokens the key and value bases represent worst.
+
+    The last `exclude_tail` tokens are never picked: decoding reconstructs them as its local window.
+    """
+    worst = relative_residual(k_groups, basis_k) + relative_residual(v_groups, basis_v)
+    if exclude_tail:
+        worst[-exclude_tail:] = float("-inf")
+    count = min(count, max(0, worst.shape[0] - exclude_tail))
+    return torch.topk(worst, count).indices.sort().values
+
+
 def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, cfg: S4RConfig,
-                   rank_k: int, rank_v: int, rope: RopeFn | None,
-                   bases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   rank_k: int, rank_v: int, rope: RopeFn | None, bases: LayerBases | None = None,
                    reconstruct_all: bool = False) -> LowRankLayer:
     """S4R compression of one layer.
 
     keys/values: [H, T, d] post-RoPE (as the model produced them); queries: [Hq, W, d] post-RoPE, the
     last W queries of the prompt. Keeps the first `cfg.sinks` tokens as they are, fits rank_k/rank_v
-    bases by SVD (fp32) on a normalized hybrid sample of the rest (unless `bases` are given, as the
-    offline baseline does), and stores the coefficients of every non-sink token.
+    bases (unless `bases` are given: precomputed or offline ones, truncated to the ranks) and stores
+    the coefficients of every non-sink token.
     """
     heads, total, _ = keys.shape
     dtype = keys.dtype
     s = min(cfg.sinks, total)
-    groups = heads if cfg.granularity == "head" else 1
-    k_rest, v_rest = keys[:, s:], values[:, s:]
-    if cfg.key_space == "pre_rope":
-        if rope is None:
-            raise ValueError("pre-RoPE keys need the model's rotary embedding")
-        k_rest = undo_rope(k_rest.float(), *(t.float() for t in rope(torch.arange(s, total))))
-    k_groups = to_groups(k_rest, groups).float()
-    v_groups = to_groups(v_rest, groups).float()
-
     if bases is None:
-        idx = hybrid_sample_indices(total - s, cfg.sample_tokens, cfg.recent_share).to(keys.device)
-        sample_k, sample_v = k_groups[:, idx], v_groups[:, idx]
-        if cfg.normalize:
-            sample_k, sample_v = normalize_rows(sample_k), normalize_rows(sample_v)
-        basis_k, basis_v = fit_basis(sample_k, rank_k), fit_basis(sample_v, rank_v)
-    else:
-        basis_k, basis_v = (b.float() for b in bases)
+        bases = fit_layer_bases(keys, values, cfg, rope, rank_k, rank_v)
+    basis_k, basis_v = (b.float() for b in (bases.k[..., :rank_k], bases.v[..., :rank_v]))
+    k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
 
     coef_k, coef_v = project(k_groups, basis_k), project(v_groups, basis_v)
     scale_k = scale_v = None
@@ -49,6 +105,13 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
         coef_v, scale_v = quantize_int8(coef_v, dtype)
     else:
         coef_k, coef_v = coef_k.to(dtype), coef_v.to(dtype)
+
+    out_idx = out_k = out_v = None
+    n_out = cfg.outlier_count(k_groups.shape[1])
+    if n_out:
+        out_idx = outlier_tokens(k_groups, v_groups, basis_k, basis_v, n_out, cfg.local_window)
+        out_k, out_v = keys[:, s + out_idx].clone(), values[:, s + out_idx].clone()
+        out_idx = out_idx.to(torch.int32)
 
     query_coef = None
     if queries is not None and queries.shape[1]:
@@ -64,4 +127,4 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     return LowRankLayer(cfg=cfg, sink_k=keys[:, :s].clone(), sink_v=values[:, :s].clone(),
                         basis_k=basis_k.to(dtype), basis_v=basis_v.to(dtype), coef_k=coef_k, coef_v=coef_v,
                         scale_k=scale_k, scale_v=scale_v, query_coef=query_coef, rope=rope,
-                        reconstruct_all=reconstruct_all)
+                        reconstruct_all=reconstruct_all, out_idx=out_idx, out_k=out_k, out_v=out_v)

@@ -25,6 +25,9 @@ class S4RConfig:
     rank_v: int | None = None
     # share of the rank budget given to keys when the solver splits it (keys are usually lower-rank)
     key_share: float = 0.5
+    # "uniform": the same ranks in every layer (split by key_share); "energy": ranks spread over layers
+    # and between K and V by how much of each sample's energy a basis column captures
+    rank_alloc: Literal["uniform", "energy"] = "energy"
 
     sinks: int = 4
     # hybrid sample: `sample_tokens` in all, of which `recent_share` is the most recent contiguous block
@@ -32,6 +35,10 @@ class S4RConfig:
     sample_tokens: int | None = 2048
     recent_share: float = 0.25
     normalize: bool = True
+
+    # share of the stored tokens the bases represent worst (largest relative residual) that are also
+    # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses
+    outlier_fraction: float = 0.0
 
     key_space: KeySpace = "post_rope"
     granularity: Granularity = "layer"
@@ -62,6 +69,8 @@ class S4RConfig:
             raise ValueError("sinks and local_window must be >= 0, query_window >= 1")
         if self.sample_tokens is not None and self.sample_tokens < 1:
             raise ValueError("sample_tokens must be positive (or None for all tokens)")
+        if not 0.0 <= self.outlier_fraction < 1.0:
+            raise ValueError("outlier_fraction must be in [0, 1)")
         if not 0.0 <= self.recent_share <= 1.0:
             raise ValueError("recent_share must be in [0, 1]")
         if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:
@@ -73,9 +82,10 @@ class S4RConfig:
 
     @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
-        """The paper's literal settings: bf16 coefficients, even K/V split, W=32, kernel 7, p = 1/ratio."""
-        return cls(ratio=ratio, key_share=0.5, sample_tokens=1024, recent_share=0.5, normalize=True,
-                   key_space="post_rope", granularity="head", coef_dtype="model", query_window=32,
+        """The paper's literal settings: model-dtype coefficients, even K/V split, W=32, kernel 7,
+        p = 1/ratio, no outliers."""
+        return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
+                   normalize=True, key_space="post_rope", granularity="head", coef_dtype="model", query_window=32,
                    pool_kernel=7, recon_fraction=None)
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
@@ -91,6 +101,10 @@ class S4RConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for saved caches and reports)."""
         return asdict(self)
+
+    def outlier_count(self, stored_tokens: int) -> int:
+        """How many of `stored_tokens` are kept exact as outliers."""
+        return int(self.outlier_fraction * stored_tokens)
 
     def reconstruct_count(self, stored_tokens: int) -> int:
         """How many compressed tokens to reconstruct per decode step (besides the local window)."""

@@ -159,7 +159,8 @@ class LowRankLayer(S4RLayerBase):
     def __init__(self, *, cfg: S4RConfig, sink_k: torch.Tensor, sink_v: torch.Tensor, basis_k: torch.Tensor,
                  basis_v: torch.Tensor, coef_k: torch.Tensor, coef_v: torch.Tensor,
                  scale_k: torch.Tensor | None, scale_v: torch.Tensor | None, query_coef: torch.Tensor | None,
-                 rope: RopeFn | None, reconstruct_all: bool = False) -> None:
+                 rope: RopeFn | None, reconstruct_all: bool = False, out_idx: torch.Tensor | None = None,
+                 out_k: torch.Tensor | None = None, out_v: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.sink_k, self.sink_v = sink_k, sink_v  # [H, s, d]
@@ -167,6 +168,8 @@ class LowRankLayer(S4RLayerBase):
         self.coef_k, self.coef_v = coef_k, coef_v  # [G, N, r]
         self.scale_k, self.scale_v = scale_k, scale_v  # [G, N, 1] for int8, else None
         self.query_coef = query_coef  # [Hq, W, r_k], None until a query was seen
+        # outliers: stored tokens the bases represent worst, also kept exact (indices into coefficients)
+        self.out_idx, self.out_k, self.out_v = out_idx, out_k, out_v  # [n] int32, [H, n, d]
         self.heads, _, self.head_dim = sink_k.shape
         self.buf_k = sink_k.new_empty(self.heads, 0, self.head_dim)
         self.buf_v = sink_v.new_empty(self.heads, 0, self.head_dim)
@@ -190,7 +193,8 @@ class LowRankLayer(S4RLayerBase):
 
     def nbytes(self) -> int:
         return tensor_bytes(self.sink_k, self.sink_v, self.basis_k, self.basis_v, self.coef_k, self.coef_v,
-                            self.scale_k, self.scale_v, self.query_coef, self.buf_k, self.buf_v)
+                            self.scale_k, self.scale_v, self.query_coef, self.buf_k, self.buf_v,
+                            self.out_idx, self.out_k, self.out_v)
 
     # --- coefficients <-> vectors -----------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +266,9 @@ class LowRankLayer(S4RLayerBase):
         self.query_coef = q_coef[:, -self.cfg.query_window :].clone()
 
         parts_k, parts_v = [self.sink_k], [self.sink_v]
+        if self.out_k is not None:
+            parts_k.append(self.out_k)
+            parts_v.append(self.out_v)
         n = self.stored_coefs
         if n:
             idx = self._select(scaling, n)
@@ -285,14 +292,23 @@ class LowRankLayer(S4RLayerBase):
         q_mean = self.query_coef.float().mean(dim=1)
         scores = latent_scores(self.coef_k, self.scale_k, q_mean, self.heads, scaling)
         scores = pool_scores(scores, self.cfg.pool_kernel, self.cfg.pool)
+        if self.out_idx is not None:
+            # outliers are attended exactly already; don't spend reconstruction slots on them
+            scores[:, self.out_idx.long()] = float("-inf")
         forced = max(0, self.cfg.local_window - self.buf_k.shape[1])
-        return select_tokens(scores, self.cfg.reconstruct_count(n), forced)
+        exact = 0 if self.out_idx is None else self.out_idx.shape[0]
+        k = min(self.cfg.reconstruct_count(n), n - forced - exact)
+        return select_tokens(scores, k, forced)
 
     def truncate(self, logical: int) -> None:
         logical = max(self.sinks, min(self.logical, logical))
         keep_buf = max(0, logical - self.sinks - self.stored_coefs)
         self.buf_k, self.buf_v = self.buf_k[:, :keep_buf], self.buf_v[:, :keep_buf]
         keep_coef = min(self.stored_coefs, logical - self.sinks)
+        if self.out_idx is not None and bool((self.out_idx >= keep_coef).any()):
+            keep = self.out_idx < keep_coef
+            self.out_idx = self.out_idx[keep]
+            self.out_k, self.out_v = self.out_k[:, keep], self.out_v[:, keep]
         if keep_coef < self.stored_coefs:
             # clone so the dropped rows are freed, not kept alive behind a view
             self.coef_k, self.coef_v = self.coef_k[:, :keep_coef].clone(), self.coef_v[:, :keep_coef].clone()

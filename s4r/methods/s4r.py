@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..budget import solve_ranks
+from ..budget import allocate_ranks, group_shape, solve_ranks
 from ..cache import S4RCache, staged_tensors
-from ..compress import compress_layer
+from ..compress import compress_layer, fit_layer_bases
 from ..config import S4RConfig
 from .base import CompressContext
 
@@ -26,8 +26,18 @@ class S4RMethod:
 
     def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
         cfg = self.config
-        plan = solve_ranks(cache.shape, cfg, cache.logical_length())
+        tokens = cache.logical_length()
+        if cfg.rank_alloc == "energy" and cfg.rank_k is None:
+            width = group_shape(cache.shape, cfg.granularity)[1]
+            bases = [fit_layer_bases(*staged_tensors(layer)[:2], cfg, ctx.rope, width, width)
+                     for layer in cache.layers]
+            ranks = allocate_ranks(cache.shape, cfg, tokens, [(b.energy_k, b.energy_v) for b in bases])
+        else:
+            plan = solve_ranks(cache.shape, cfg, tokens)
+            ranks = [(plan.rank_k, plan.rank_v)] * len(cache.layers)
+            bases = [None] * len(cache.layers)
         cache.compress(lambda i, layer: compress_layer(
-            *staged_tensors(layer), cfg, plan.rank_k, plan.rank_v, ctx.rope,
+            *staged_tensors(layer), cfg, ranks[i][0], ranks[i][1], ctx.rope, bases=bases[i],
             reconstruct_all=self.reconstruct_all))
-        return {"rank_k": plan.rank_k, "rank_v": plan.rank_v, "granularity": cfg.granularity}
+        return {"rank_k": [r[0] for r in ranks], "rank_v": [r[1] for r in ranks],
+                "granularity": cfg.granularity}

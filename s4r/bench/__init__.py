@@ -1,0 +1,1 @@
+"""Benchmarks for s4r: RULER-style accuracy tasks and their scoring."""

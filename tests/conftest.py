@@ -1,0 +1,23 @@
+"""Shared fixtures. Plain helpers (tiny_model, BOOKS) live in tests/helpers.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from s4r.loading import LoadedModel
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real embedded SmolLM2-135M on CPU in the auto dtype (bf16 where the CPU has it, else fp32).
+
+    Uses $S4R_HOME when set (else ~/.cache/s4r); the first run downloads and converts it (~20 s).
+    Tests using it must be marked ``@pytest.mark.slow``.
+    """
+    # Imported here so collecting the fast tests never pays for (or depends on) the loader's imports.
+    from s4r.loading import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="auto")
