@@ -27,7 +27,7 @@ class S4RConfig:
     key_share: float = 0.5
     # "uniform": the same ranks in every layer (split by key_share); "energy": ranks spread over layers
     # and between K and V by how much of each sample's energy a basis column captures
-    rank_alloc: Literal["uniform", "energy"] = "energy"
+    rank_alloc: Literal["uniform", "energy"] = "uniform"
 
     sinks: int = 4
     # hybrid sample: `sample_tokens` in all, of which `recent_share` is the most recent contiguous block
@@ -38,11 +38,12 @@ class S4RConfig:
 
     # share of the stored tokens the bases represent worst (largest relative residual) that are also
     # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses
-    outlier_fraction: float = 0.0
+    outlier_fraction: float = 0.05
 
     key_space: KeySpace = "post_rope"
     granularity: Granularity = "layer"
-    coef_dtype: CoefDtype = "model"
+    # int8 coefficients (with a per-token scale) buy about twice the rank of model-dtype ones
+    coef_dtype: CoefDtype = "int8"
 
     # decode
     local_window: int = 32
@@ -50,7 +51,7 @@ class S4RConfig:
     recon_fraction: float | None = None
     top_k: int | None = None
     pool_kernel: int = 7
-    pool: Literal["avg", "max"] = "avg"
+    pool: Literal["avg", "max"] = "max"
     query_window: int = 32
 
     # new tokens stay in full precision until the buffer holds this many; older ones are folded into
@@ -82,11 +83,12 @@ class S4RConfig:
 
     @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
-        """The paper's literal settings: model-dtype coefficients, even K/V split, W=32, kernel 7,
-        p = 1/ratio, no outliers."""
+        """The paper's literal settings: fixed K/V ranks split evenly, coefficients in the model's dtype,
+        no outliers, W=32, kernel 7, p = 1/ratio. What it leaves open (key space, granularity, sample
+        size) takes the ShadowKV/xKV choice or ours."""
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
-                   normalize=True, key_space="post_rope", granularity="head", coef_dtype="model", query_window=32,
-                   pool_kernel=7, recon_fraction=None)
+                   normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
+                   outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None)
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""

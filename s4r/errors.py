@@ -20,7 +20,7 @@ class ContextTooLongError(S4RError):
         super().__init__(
             message
             or f"the input is {tokens} tokens but the model's context is {limit} tokens; "
-            "use --truncate head|tail|middle, or --rope-scaling (lower quality)"
+            "use --truncate head|tail|middle, or --rope-scaling FACTOR (lower quality)"
         )
 
 

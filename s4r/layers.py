@@ -290,7 +290,9 @@ class LowRankLayer(S4RLayerBase):
         if self.reconstruct_all:
             return torch.arange(n, device=self.coef_k.device).unsqueeze(0).expand(self.heads, n)
         q_mean = self.query_coef.float().mean(dim=1)
-        scores = latent_scores(self.coef_k, self.scale_k, q_mean, self.heads, scaling)
+        scores = latent_scores(self.coef_k, self.scale_k, q_mean, self.heads)
+        if self.cfg.pool == "avg":
+            scores = torch.softmax(scores * scaling, dim=-1)
         scores = pool_scores(scores, self.cfg.pool_kernel, self.cfg.pool)
         if self.out_idx is not None:
             # outliers are attended exactly already; don't spend reconstruction slots on them

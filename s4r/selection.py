@@ -7,35 +7,37 @@ import torch.nn.functional as F
 
 
 def latent_scores(coef_k: torch.Tensor, scale_k: torch.Tensor | None, q_lat: torch.Tensor,
-                  kv_heads: int, scaling: float) -> torch.Tensor:
-    """Relevance [kv_heads, N] of every stored token, computed on coefficients only.
+                  kv_heads: int) -> torch.Tensor:
+    """Relevance logits [kv_heads, N] of every stored token, computed on coefficients only.
 
     coef_k: [G, N, r] (G = kv_heads for per-head bases, 1 for a layer basis); scale_k: int8 scales
     [G, N, 1] or None; q_lat: [q_heads, r] query coefficients (each head projected on its KV head's
-    basis block). Each query head's logits are softmaxed over the tokens, then summed over the heads
-    that share a KV head, so one large-logit head cannot drown the others.
+    basis block). The query heads sharing a KV head are summed first (the logit of their sum is the sum
+    of their logits), so the cost is one [N, r] pass per KV head, in bf16 on int8 coefficients.
     """
     groups = coef_k.shape[0]
-    q_heads, rank = q_lat.shape
-    n_rep = q_heads // kv_heads
-    c = coef_k.to(q_lat.dtype)
+    rank = q_lat.shape[-1]
+    q = q_lat.view(kv_heads, -1, rank).sum(dim=1)  # [H, r]
+    dtype = torch.bfloat16 if coef_k.dtype == torch.int8 else coef_k.dtype
+    c = coef_k.to(dtype)
     if groups == 1:
-        logits = torch.matmul(c[0], q_lat.t())  # [N, Hq]
-        if scale_k is not None:
-            logits = logits * scale_k[0].to(logits.dtype)
-        logits = logits.t().reshape(kv_heads, n_rep, -1)
+        logits = torch.matmul(q.to(dtype), c[0].t())  # [H, N]
+        scale = None if scale_k is None else scale_k[0, :, 0]
     else:
-        q = q_lat.view(kv_heads, n_rep, rank).transpose(1, 2)  # [H, r, n_rep]
-        logits = torch.matmul(c, q)  # [H, N, n_rep]
-        if scale_k is not None:
-            logits = logits * scale_k.to(logits.dtype)
-        logits = logits.transpose(1, 2)
-    probs = torch.softmax(logits.float() * scaling, dim=-1)
-    return probs.sum(dim=1)
+        logits = torch.matmul(c, q.to(dtype).unsqueeze(-1)).squeeze(-1)  # [H, N]
+        scale = None if scale_k is None else scale_k[..., 0]
+    logits = logits.float()
+    if scale is not None:
+        logits = logits * scale.float()
+    return logits
 
 
-def pool_scores(scores: torch.Tensor, kernel: int, mode: str = "avg") -> torch.Tensor:
-    """Smooth [H, N] scores along the tokens so neighbours of a relevant token come along."""
+def pool_scores(scores: torch.Tensor, kernel: int, mode: str = "max") -> torch.Tensor:
+    """Smooth [H, N] scores along the tokens so neighbours of a relevant token come along.
+
+    Max pooling commutes with any monotone map, so it can run on logits directly; average pooling
+    is meant for probabilities (softmax the logits first).
+    """
     if kernel <= 1 or scores.shape[-1] == 0:
         return scores
     x = scores.unsqueeze(1)

@@ -335,7 +335,7 @@ class Session:
     def _identity(self) -> dict[str, Any]:
         return {"model": str(self.loaded.name), "fingerprint": model_fingerprint(self.model),
                 "method": self.method, "ratio": self.ratio_requested if self.method != "full" else None,
-                "overrides": self.config_overrides, "dtype": str(self.shape.dtype_bytes)}
+                "overrides": self.config_overrides or {}, "dtype": str(self.shape.dtype_bytes)}
 
     def save(self, path: str | Path) -> None:
         """Save the compressed cache and what is needed to continue the conversation."""
@@ -349,10 +349,18 @@ class Session:
 
     @classmethod
     def load(cls, path: str | Path, loaded, **kwargs: Any) -> Session:
-        """A session continuing from a saved cache; refuses caches of another model or settings."""
+        """A session continuing from a saved cache; refuses caches of another model or settings.
+
+        Method, ratio and settings default to the saved ones; any given explicitly must match them.
+        """
         header = read_header(path)
         meta = header.get("meta", {})
+        identity = meta.get("identity", {})
         kwargs.setdefault("system", meta.get("system"))
+        kwargs.setdefault("method", identity.get("method", "s4r"))
+        if identity.get("ratio") is not None:
+            kwargs.setdefault("ratio", identity["ratio"])
+        kwargs.setdefault("config_overrides", identity.get("overrides") or None)
         session = cls(loaded, **kwargs)
         saved, ours = meta.get("identity", {}), session._identity()
         for key, label, shown in (("fingerprint", "model", "model"), ("method", "method", "method"),

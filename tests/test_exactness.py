@@ -25,7 +25,8 @@ def exact_config(model, key_space: str, granularity: str) -> S4RConfig:
     width = shape.head_dim if granularity == "head" else shape.head_dim * shape.kv_heads
     # a tiny buffer so the second turn exercises folding tokens into coefficients
     return S4RConfig(ratio=None, rank_k=width, rank_v=width, sample_tokens=None, recon_fraction=1.0,
-                     key_space=key_space, granularity=granularity, buffer_tokens=8, fold_tokens=4)
+                     key_space=key_space, granularity=granularity, buffer_tokens=8, fold_tokens=4,
+                     coef_dtype="model", outlier_fraction=0.05)
 
 
 def compressed_cache(model, ids: torch.Tensor, cfg: S4RConfig) -> S4RCache:
@@ -76,8 +77,9 @@ def test_logits_match_full_cache(arch, key_space, granularity):
             pos += ids.shape[1]
             assert_close(got, expected)
             assert cache.logical_length() == pos
-    # the buffer folded tokens into coefficients along the way
+    # the buffer folded tokens into coefficients along the way, and outliers were kept exact
     assert cache.layers[0].stored_coefs > doc.shape[0] - 4
+    assert cache.layers[0].out_idx.numel() == int(0.05 * (doc.shape[0] - 4))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

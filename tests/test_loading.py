@@ -351,6 +351,64 @@ def test_tiny_model(arch: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# RoPE scaling (--rope-scaling)
+
+
+def _tiny_folder(path: Path, **overrides: object) -> Path:
+    """Save a tiny random Llama (context 4096) with a word-level tokenizer as a local model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_model("llama", **overrides).save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    PreTrainedTokenizerFast(tokenizer_object=backend, **special).save_pretrained(path)
+    return path
+
+
+def test_rope_scaling_stretches_a_local_folder(home: Path, tmp_path: Path) -> None:
+    folder = _tiny_folder(tmp_path / "tiny")
+    plain = load_model(str(folder), device="cpu", dtype="fp32")
+    lm = load_model(str(folder), device="cpu", dtype="fp32", rope_scaling=2.0)
+    assert plain.context_length == 4096 and lm.context_length == 8192
+    rope = lm.model.config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0
+    assert rope["original_max_position_embeddings"] == 4096 and rope["rope_theta"] == 10000.0
+    # the lowest frequencies are interpolated (halved), the highest kept
+    scaled, base = lm.model.model.rotary_emb.inv_freq, plain.model.model.rotary_emb.inv_freq
+    assert torch.allclose(scaled[-1], base[-1] / 2) and torch.allclose(scaled[0], base[0])
+    assert lm.tokenizer.model_max_length >= 8192
+    with torch.no_grad():  # positions past the original context run
+        logits = lm.model(torch.arange(3, 11)[None], position_ids=torch.arange(8000, 8008)[None]).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_rope_scaling_of_profile_shapes() -> None:
+    config = build_config(load_profile("smollm2-135m").architecture)
+    loading._scale_rope(config, 3.0)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 3.0
+    with pytest.raises(ModelLoadError, match=r"RoPE \(llama3\) cannot be rescaled; use --truncate"):
+        loading._scale_rope(build_config(load_profile("llama-3.2-1b-instruct").architecture), 2.0)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 9.0, float("nan")])
+def test_rope_scaling_factor_out_of_range(home: Path, tmp_path: Path, factor: float) -> None:
+    with pytest.raises(ModelLoadError, match="--rope-scaling must be above 1 and at most 8"):
+        load_model(str(tmp_path / "not-even-loaded"), device="cpu", rope_scaling=factor)
+
+
+def test_rope_scaling_refuses_an_already_scaled_rope(home: Path, tmp_path: Path) -> None:
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    folder = _tiny_folder(tmp_path / "llama3", rope_parameters=llama3)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(folder), device="cpu", rope_scaling=2.0)
+    assert str(info.value) == "this model's RoPE (llama3) cannot be rescaled; use --truncate"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The real default model (slow: downloads and converts on first use)
 
 

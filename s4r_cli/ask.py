@@ -1,0 +1,156 @@
+"""`s4r ask QUESTION`: one question about a document, answer streamed to stdout (pipeline friendly)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from s4r_cli.common import (
+    DEFAULT_MODEL,
+    CommonArgs,
+    DeviceOpt,
+    Document,
+    Dtype,
+    DtypeOpt,
+    FileOpt,
+    LoadOpt,
+    MaxNewTokensOpt,
+    MethodOpt,
+    ModelOpt,
+    Quant,
+    QuantOpt,
+    RatioOpt,
+    RopeScalingOpt,
+    SeedOpt,
+    SystemOpt,
+    TemperatureOpt,
+    TopPOpt,
+    TruncateOpt,
+    UsageError,
+    check_cache_path,
+    check_method,
+    check_model_spec,
+    common_args,
+    load_model,
+    open_session,
+    pipe_guard,
+    read_document_stream,
+    read_documents,
+    stdin_bytes,
+)
+from s4r_cli.ui import UI, short_dtype
+
+EXIT_INTERRUPTED = 130
+
+
+def ask(
+    ctx: typer.Context,
+    question: Annotated[str, typer.Argument(metavar="QUESTION", help="What to ask about the document.")],
+    file: FileOpt = None,
+    load: LoadOpt = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    ratio: RatioOpt = 5.0,
+    method: MethodOpt = "s4r",
+    truncate: TruncateOpt = None,
+    rope_scaling: RopeScalingOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = Dtype.auto,
+    quant: QuantOpt = Quant.none,
+    max_new_tokens: MaxNewTokensOpt = 512,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
+    system: SystemOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Model, cache and speed stats on stderr.")]
+    = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (answer and stats) instead.")]
+    = False,
+) -> None:
+    """Answer one question about a document (--file, or text piped on stdin).
+
+    Only the answer goes to stdout; `-v` adds stats on stderr.
+    """
+    args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
+                       truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling)
+    with pipe_guard():
+        code = run_ask(args, question, verbose=verbose, as_json=as_json)
+    if code:
+        raise typer.Exit(code)
+
+
+def gather_documents(args: CommonArgs) -> list[Document]:
+    """--file documents, else stdin when something is piped in; --load alone needs none."""
+    stdin = stdin_bytes()
+    if args.files:
+        return read_documents(args.files, stdin=stdin)
+    if stdin is not None and not args.load:
+        return [read_document_stream(stdin)]
+    if args.load:
+        return []
+    raise UsageError("no document: pass --file FILE, pipe text on stdin, or --load a saved cache")
+
+
+def result_record(answer: str, stats: Any, args: CommonArgs, loaded: Any, session: Any,
+                  ingest_seconds: float) -> dict[str, Any]:
+    """The --json object. The ratio reported as achieved is measured from the stored cache."""
+    mem = stats.memory
+    return {
+        "answer": answer,
+        "model": loaded.name,
+        "method": session.method,
+        "ratio_requested": session.ratio_requested,
+        "ratio_achieved": mem.ratio,
+        "kv_bytes": mem.stored_bytes,
+        "kv_full_bytes": mem.full_bytes,
+        "kv_tokens": mem.tokens,
+        "document_tokens": session.document_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "ttft_s": stats.ttft_s,
+        "prefill_tok_s": stats.prefill_tok_s,
+        "decode_tok_s": stats.decode_tok_s,
+        "peak_mem_bytes": stats.peak_mem_bytes,
+        "ingest_s": ingest_seconds,
+        "device": str(loaded.device),
+        "dtype": short_dtype(loaded.dtype),
+        "quant": getattr(loaded, "quant", args.quant.value),
+        "interrupted": stats.interrupted,
+    }
+
+
+def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: bool = False) -> int:
+    """Validate, load, ingest, answer. Returns the exit code (0, or 130 when Ctrl-C cut the answer)."""
+    if not question.strip():
+        raise UsageError("the question is empty")
+    docs = gather_documents(args)
+    if args.load:
+        check_cache_path(args.load)
+    check_model_spec(args.model)
+    check_method(args.method)
+
+    ui = UI.for_ask()
+    loaded = load_model(args, ui)
+    session, ingest_seconds = open_session(args, loaded, docs, ui)
+    if verbose:
+        ui.header_plain(loaded, session, ingest_seconds)
+
+    if as_json:
+        answer, stats = session.ask(question, **args.generation.kwargs())
+        record = result_record(answer, stats, args, loaded, session, ingest_seconds)
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+    else:
+        with ui.answer() as stream:
+            answer, stats = session.ask(question, on_token=stream.on_token, **args.generation.kwargs())
+    if verbose:
+        ui.turn_stats(stats)
+    return EXIT_INTERRUPTED if stats.interrupted else 0
+
+
+def register(app: typer.Typer) -> None:
+    """Add `ask` to the app."""
+    app.command()(ask)

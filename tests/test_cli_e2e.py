@@ -1,0 +1,120 @@
+"""End to end with the real SmolLM2-135M: a needle in a ~3k-token excerpt of Pride and Prejudice.
+
+Slow (each CLI run loads the model and prefills the excerpt on CPU). The `smollm2` fixture from
+conftest.py loads the model once; it also makes sure the converted model is cached for the subprocesses.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tests.helpers import BOOKS
+
+pytestmark = pytest.mark.slow
+
+NEEDLE = "The secret passphrase is 'blue-harbor-42'."
+ANSWER = "blue-harbor-42"
+QUESTION = "What is the secret passphrase?"
+MAX_NEW = "32"
+JSON_KEYS = {"answer", "model", "method", "ratio_requested", "ratio_achieved", "kv_bytes", "kv_full_bytes",
+             "prompt_tokens", "generated_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_mem_bytes",
+             "ingest_s", "document_tokens", "device", "dtype"}
+
+
+@pytest.fixture(scope="module")
+def excerpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Chapters 1-3 or so (~12k characters, ~3k tokens) with the needle halfway, at a paragraph break."""
+    book = BOOKS / "pride-and-prejudice.txt"
+    if not book.is_file():
+        pytest.skip(f"{book} is not there")
+    text = book.read_text(encoding="utf-8-sig")
+    start = text.index("It is a truth universally acknowledged")
+    paragraphs = text[start:start + 12_000].split("\n\n")
+    paragraphs.insert(len(paragraphs) // 2, NEEDLE)
+    path = tmp_path_factory.mktemp("e2e") / "excerpt.txt"
+    path.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    return path
+
+
+def s4r(*args: str, stdin: bytes = b"", timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess (stdout/stderr are pipes, so no colour or progress bars)."""
+    env = {k: v for k, v in os.environ.items() if k != "S4R_DEBUG"}
+    p = subprocess.run([sys.executable, "-m", "s4r_cli", *args], input=stdin, capture_output=True, env=env,
+                       timeout=timeout, check=False)
+    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
+
+
+@pytest.mark.parametrize("method", ["full", "s4r"])
+def test_ask_file_finds_the_needle(smollm2: object, excerpt: Path, method: str) -> None:
+    """`full` checks the CLI's plumbing alone; `s4r` (ratio 5) is the product's claim."""
+    p = s4r("ask", QUESTION, "--file", str(excerpt), "-n", MAX_NEW, "--method", method)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""  # only the answer, on stdout
+    assert ANSWER in p.stdout, p.stdout
+
+
+def test_ask_stdin_finds_the_needle(smollm2: object, excerpt: Path) -> None:
+    p = s4r("ask", QUESTION, "-n", MAX_NEW, stdin=excerpt.read_bytes())
+    assert p.returncode == 0, p.stderr
+    assert ANSWER in p.stdout, p.stdout
+
+
+def test_ask_json_has_every_key(smollm2: object, excerpt: Path) -> None:
+    p = s4r("ask", QUESTION, "--file", str(excerpt), "-n", MAX_NEW, "--json")
+    assert p.returncode == 0, p.stderr
+    record = json.loads(p.stdout)
+    assert set(record) >= JSON_KEYS
+    assert record["method"] == "s4r" and record["ratio_requested"] == 5.0
+    # the achieved ratio is measured: positive, and the stored cache really is smaller
+    assert record["kv_bytes"] * record["ratio_achieved"] == pytest.approx(record["kv_full_bytes"], rel=1e-6)
+    assert record["kv_bytes"] < record["kv_full_bytes"]
+    assert record["document_tokens"] > 2000 and record["generated_tokens"] > 0
+    assert record["answer"].strip()
+
+
+def test_save_in_repl_then_load_gives_the_same_answer(smollm2: object, excerpt: Path, tmp_path: Path) -> None:
+    """/save from a REPL over a real session, then `s4r ask --load` in a new process, same question."""
+    from s4r.session import Session
+    from s4r_cli.common import GenerationSettings
+    from s4r_cli.repl import ChatState, CommandHandler
+    from s4r_cli.ui import UI
+
+    session = Session(smollm2)
+    stats = session.ingest(excerpt.read_text(), name=excerpt.name)
+    buffer = io.StringIO()
+    ui = UI(out=buffer, info=Console(file=io.StringIO(), color_system=None))
+    settings = GenerationSettings(max_new_tokens=int(MAX_NEW))
+    state = ChatState(loaded=smollm2, session=session, settings=settings, load_kwargs={},
+                      ingest_seconds=stats.seconds)
+    handler = CommandHandler(state, ui)
+    cache = tmp_path / "chat.s4r"
+    assert handler.handle(f"/save {cache}") and cache.is_file()
+    assert handler.handle(QUESTION)
+    in_repl = buffer.getvalue().strip()
+    assert in_repl
+
+    p = s4r("ask", QUESTION, "--load", str(cache), "-n", MAX_NEW)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == in_repl
+
+
+def test_load_refuses_a_cache_made_with_other_settings(smollm2: object, excerpt: Path,
+                                                       tmp_path: Path) -> None:
+    from s4r.session import Session
+
+    session = Session(smollm2, ratio=8.0)
+    session.ingest(excerpt.read_text()[:4000])  # any document will do; the settings are what differ
+    cache = tmp_path / "r8.s4r"
+    session.save(cache)
+    p = s4r("ask", QUESTION, "--load", str(cache), "--ratio", "5")
+    assert p.returncode == 1
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "ratio" in lines[0] and "Traceback" not in p.stderr

@@ -1,0 +1,70 @@
+"""S4R on the embedded SmolLM2-135M: a needle in a real book survives compression."""
+
+from __future__ import annotations
+
+import pytest
+
+from s4r.bench.scoring import score
+from s4r.bench.tasks import needle_sample
+from s4r.errors import CacheFileError
+from s4r.session import Session
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def needle(smollm2):
+    tok = smollm2.tokenizer
+    return needle_sample(4000, depth=0.5, seed=0,
+                         count_tokens=lambda s: len(tok.encode(s, add_special_tokens=False)))
+
+
+@pytest.fixture(scope="module")
+def staged(smollm2, needle):
+    session = Session(smollm2, method="full")
+    session.ingest(needle.context, compress=False)
+    return session
+
+
+def test_needle_answered_at_ratio_2_5(staged, needle):
+    session = staged.fork(method="s4r", ratio=2.5)
+    answer, stats = session.ask(needle.question, max_new_tokens=16, prime=needle.answer_prefix)
+    assert score(needle, answer) == 100, answer
+    assert stats.memory.ratio >= 2.5
+    assert 3800 < staged.document_tokens < 4100
+
+
+def test_full_cache_answers_too(staged, needle):
+    answer, stats = staged.fork(method="full", ratio=1.0).ask(
+        needle.question, max_new_tokens=16, prime=needle.answer_prefix)
+    assert score(needle, answer) == 100, answer
+    assert stats.memory.ratio == 1.0
+
+
+def test_save_load_clear_round_trip(smollm2, staged, needle, tmp_path):
+    session = staged.fork(method="s4r", ratio=2.5)
+    path = tmp_path / "book.s4r"
+    session.save(path)
+    first, _ = session.ask(needle.question, max_new_tokens=12, prime=needle.answer_prefix)
+    session.clear()
+    again, _ = session.ask(needle.question, max_new_tokens=12, prime=needle.answer_prefix)
+    loaded = Session.load(path, smollm2, method="s4r", ratio=2.5)
+    assert loaded.document_tokens == session.document_tokens
+    assert loaded.memory() == Session.load(path, smollm2, method="s4r", ratio=2.5).memory()
+    third, _ = loaded.ask(needle.question, max_new_tokens=12, prime=needle.answer_prefix)
+    assert first == again == third
+    with pytest.raises(CacheFileError, match="ratio"):
+        Session.load(path, smollm2, method="s4r", ratio=5)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CacheFileError):
+        Session.load(path, smollm2, method="s4r", ratio=2.5)
+
+
+def test_second_turn_and_ratio_after_long_answer(staged, needle):
+    session = staged.fork(method="s4r", ratio=5)
+    before = session.memory()
+    session.ask("Summarize the text in one paragraph.", max_new_tokens=200)
+    session.ask("And who is the main character?", max_new_tokens=60)
+    after = session.memory()
+    assert after.tokens > before.tokens + 60
+    assert after.ratio >= 5
