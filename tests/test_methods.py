@@ -137,12 +137,13 @@ def test_snapkv_keeps_a_planted_high_attention_token_per_head():
     tokens, ratio, planted = 1000, 5.0, {0: 100, 1: 500}
     cache = planted_cache(tokens, planted)
     keys, queries = cache.layers[0].keys_view[0].clone(), cache.layers[0].queries[0].clone()
-    info = make_method("snapkv", ratio).compress(cache, CompressContext(None, ratio))
+    method = make_method("snapkv", ratio)
+    info = method.compress(cache, CompressContext(None, ratio))
     budget = tokens // 5 - 64
     assert info["kept_tokens"] == budget
     layer = cache.layers[0]
     assert isinstance(layer, EvictedLayer) and layer.stored_length() == budget
-    idx = snapkv_indices(keys, queries, budget)
+    idx = snapkv_indices(keys, queries, budget, pool=method.pool)
     assert idx.shape == (2, budget)
     for h, pos in planted.items():
         assert pos in idx[h].tolist(), f"head {h} lost its planted token"
@@ -213,7 +214,7 @@ def test_svd_full_rank_is_exact():
     shape = KVShape.from_config(model.config, BYTES)
     width = shape.kv_heads * shape.head_dim
     method = make_method("svd", 1.0, {"ratio": None, "rank_k": width, "rank_v": width, "recon_fraction": 1.0,
-                                      "buffer_tokens": 8, "fold_tokens": 4})
+                                      "buffer_tokens": 8, "fold_tokens": 4, "coef_dtype": "model"})
     doc = random_ids(400, 4)
     cache, info = compressed(model, staged(model, doc, method.query_window), method, 1.0)
     assert info["rank_k"] == info["rank_v"] == [width] * shape.layers
