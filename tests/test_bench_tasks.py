@@ -297,24 +297,19 @@ def test_perplexity_text_too_long() -> None:
 
 
 def _cached_smollm2_tokenizer():
-    """The SmolLM2 tokenizer from the local Hugging Face cache, or None (never downloads)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        from s4r.loading import load_model  # noqa: F401  (the library's loader must be present)
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    for repo in ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M"):
-        path = try_to_load_from_cache(repo, "tokenizer.json")
-        if isinstance(path, str):
-            return Tokenizer.from_file(path)
-    return None
+    """The embedded SmolLM2 tokenizer if its converted folder is already cached, else None (never fetches)."""
+    from tokenizers import Tokenizer
+
+    from s4r.loading import models_dir
+
+    path = models_dir() / "smollm2-135m" / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
 def test_real_tokenizer_lengths() -> None:
     tokenizer = _cached_smollm2_tokenizer()
     if tokenizer is None:
-        pytest.skip("s4r.loading or the cached SmolLM2 tokenizer is not available")
+        pytest.skip("the converted SmolLM2 folder is not cached yet")
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False).ids)
