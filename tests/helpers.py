@@ -58,3 +58,16 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, **overri
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, **build_kwargs)
     return model.eval()
+
+
+class CharTokenizer:
+    """A character-level stand-in tokenizer for the tiny models' 128-token vocabulary."""
+
+    eos_token_id = 2
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(c) % 125 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + i % 95) for i in ids)

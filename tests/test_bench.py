@@ -26,23 +26,10 @@ from s4r.bench.speed import check_lengths_fit, param_count, plan_memory, teacher
 from s4r.budget import KVShape
 from s4r.errors import DeviceError
 from s4r.session import Session
-from tests.helpers import _BASE, tiny_model
+from tests.helpers import _BASE, CharTokenizer, tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RATIOS = (2.0, 4.0)
-
-
-class CharTokenizer:
-    """A character-level stand-in tokenizer for the tiny models' 128-token vocabulary."""
-
-    eos_token_id = 2
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [3 + ord(c) % 125 for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(32 + i % 95) for i in ids)
 
 
 class RecordingHooks(BenchHooks):

@@ -27,7 +27,7 @@ from s4r.methods.snapkv import snapkv_indices
 from s4r.methods.streaming import streaming_indices
 from s4r.rope import model_rope_fn
 from s4r.session import Session
-from tests.helpers import tiny_model
+from tests.helpers import CharTokenizer, tiny_model
 from tests.test_exactness import assert_close, reference_logits
 
 BYTES = 4  # tiny models run in fp32
@@ -320,19 +320,6 @@ def test_every_method_prefills_and_decodes(arch, name):
             logits = forward_tokens(model, cache, token, cache.logical_length())
             assert torch.isfinite(logits).all()
     assert cache.logical_length() == 400 + 12 + 10
-
-
-class CharTokenizer:
-    """A byte-level stand-in tokenizer for the tiny models' 128-token vocabulary."""
-
-    eos_token_id = 2
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [3 + ord(c) % 125 for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(32 + i % 95) for i in ids)
 
 
 def test_session_forks_every_baseline_from_one_prefill():
