@@ -81,8 +81,8 @@ def outlier_tokens(k_groups: torch.Tensor, v_groups: torch.Tensor, basis_k: torc
 
 
 def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, cfg: S4RConfig,
-                   rank_k: int, rank_v: int, rope: RopeFn | None, bases: LayerBases | None = None,
-                   reconstruct_all: bool = False) -> LowRankLayer:
+                   rank_k: int, rank_v: int, rope: RopeFn | None,
+                   bases: LayerBases | None = None) -> LowRankLayer:
     """S4R compression of one layer.
 
     keys/values: [H, T, d] post-RoPE (as the model produced them); queries: [Hq, W, d] post-RoPE, the
@@ -127,4 +127,4 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     return LowRankLayer(cfg=cfg, sink_k=keys[:, :s].clone(), sink_v=values[:, :s].clone(),
                         basis_k=basis_k.to(dtype), basis_v=basis_v.to(dtype), coef_k=coef_k, coef_v=coef_v,
                         scale_k=scale_k, scale_v=scale_v, query_coef=query_coef, rope=rope,
-                        reconstruct_all=reconstruct_all, out_idx=out_idx, out_k=out_k, out_v=out_v)
+                        out_idx=out_idx, out_k=out_k, out_v=out_v)

@@ -159,7 +159,7 @@ class LowRankLayer(S4RLayerBase):
     def __init__(self, *, cfg: S4RConfig, sink_k: torch.Tensor, sink_v: torch.Tensor, basis_k: torch.Tensor,
                  basis_v: torch.Tensor, coef_k: torch.Tensor, coef_v: torch.Tensor,
                  scale_k: torch.Tensor | None, scale_v: torch.Tensor | None, query_coef: torch.Tensor | None,
-                 rope: RopeFn | None, reconstruct_all: bool = False, out_idx: torch.Tensor | None = None,
+                 rope: RopeFn | None, out_idx: torch.Tensor | None = None,
                  out_k: torch.Tensor | None = None, out_v: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -174,7 +174,6 @@ class LowRankLayer(S4RLayerBase):
         self.buf_k = sink_k.new_empty(self.heads, 0, self.head_dim)
         self.buf_v = sink_v.new_empty(self.heads, 0, self.head_dim)
         self.rope = rope
-        self.reconstruct_all = reconstruct_all
         if cfg.key_space == "pre_rope" and rope is None:
             raise ValueError("pre-RoPE keys need the model's rotary embedding")
         self.logical = self.sinks + self.stored_coefs
@@ -287,8 +286,6 @@ class LowRankLayer(S4RLayerBase):
         return causal_attention(query, keys, values, scaling, prefix=prefix)
 
     def _select(self, scaling: float, n: int) -> torch.Tensor:
-        if self.reconstruct_all:
-            return torch.arange(n, device=self.coef_k.device).unsqueeze(0).expand(self.heads, n)
         q_mean = self.query_coef.float().mean(dim=1)
         scores = latent_scores(self.coef_k, self.scale_k, q_mean, self.heads)
         if self.cfg.pool == "avg":

@@ -17,8 +17,6 @@ class S4RMethod:
 
     config: S4RConfig = field(default_factory=S4RConfig)
     name: str = "s4r"
-    # exactness checks: reconstruct every stored token at each step
-    reconstruct_all: bool = False
 
     @property
     def query_window(self) -> int:
@@ -37,7 +35,6 @@ class S4RMethod:
             ranks = [(plan.rank_k, plan.rank_v)] * len(cache.layers)
             bases = [None] * len(cache.layers)
         cache.compress(lambda i, layer: compress_layer(
-            *staged_tensors(layer), cfg, ranks[i][0], ranks[i][1], ctx.rope, bases=bases[i],
-            reconstruct_all=self.reconstruct_all))
+            *staged_tensors(layer), cfg, ranks[i][0], ranks[i][1], ctx.rope, bases=bases[i]))
         return {"rank_k": [r[0] for r in ranks], "rank_v": [r[1] for r in ranks],
                 "granularity": cfg.granularity}
