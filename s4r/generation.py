@@ -45,3 +45,44 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[choice].item())
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def apply_repetition_penalty(logits: torch.Tensor, recent_ids: list[int], penalty: float) -> torch.Tensor:
+    """Make tokens seen in ``recent_ids`` less likely, as llama.cpp and transformers do.
+
+    A positive logit is divided by ``penalty`` and a negative one multiplied, so the token loses
+    probability either way; each distinct token is penalized once. ``penalty`` 1 returns ``logits`` as is.
+    """
+    if penalty == 1.0 or not recent_ids:
+        return logits
+    ids = torch.tensor(sorted(set(recent_ids)), dtype=torch.long, device=logits.device)
+    picked = logits[ids]
+    out = logits.clone()
+    out[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return out
+
+
+# A loop is a block of tokens repeated back to back at the end of the answer: at least LOOP_MIN_REPEATS
+# times, covering at least LOOP_MIN_TOKENS, so a legitimately repeated word or short list is left alone.
+LOOP_MIN_REPEATS = 2
+LOOP_MIN_TOKENS = 48
+LOOP_MAX_PERIOD = 200
+
+
+def repeating_period(ids: list[int], *, min_tokens: int = LOOP_MIN_TOKENS,
+                     min_repeats: int = LOOP_MIN_REPEATS, max_period: int = LOOP_MAX_PERIOD) -> int:
+    """The length of the block the end of ``ids`` repeats back to back, or 0 when it does not loop.
+
+    "A B C A B C" ends in a loop of period 3 once the repeated run spans ``min_tokens`` tokens and the
+    block occurs ``min_repeats`` times. Short periods need more repeats to cover ``min_tokens``.
+    """
+    n = len(ids)
+    for period in range(1, min(max_period, n // min_repeats) + 1):
+        repeats = max(min_repeats, -(-min_tokens // period))
+        span = period * repeats
+        if span > n:
+            continue
+        tail = ids[n - span :]
+        if tail[period:] == tail[:-period]:  # shifting by one period changes nothing: periodic
+            return period
+    return 0

@@ -16,9 +16,9 @@ from .budget import KVShape
 from .cache import S4RCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
-from .generation import forward_tokens, prefill, sample_token
+from .generation import apply_repetition_penalty, forward_tokens, prefill, repeating_period, sample_token
 from .memory import MemoryReport, peak_memory_bytes
-from .methods import METHODS, CompressContext, make_method
+from .methods import METHODS, CompressContext, FullMethod, make_method
 from .persist import load_cache, read_header, save_cache
 from .rope import model_rope_fn
 
@@ -37,6 +37,8 @@ class IngestStats:
     seconds: float
     prefill_seconds: float
     compress_seconds: float
+    # document tokens --truncate left out (0 when the document fitted)
+    dropped_tokens: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -55,6 +57,9 @@ class TurnStats:
     peak_mem_bytes: int
     memory: MemoryReport
     interrupted: bool = False
+    # why the answer ended: "end" (the model finished), "max_new_tokens", "context" (the context is
+    # full), "loop" (the answer repeated itself) or "interrupted"
+    stop_reason: str = "end"
 
 
 def truncate_ids(ids: list[int], limit: int, how: str) -> list[int]:
@@ -118,6 +123,8 @@ class Session:
         install(self.model)
         self.cache: S4RCache | None = None
         self.compress_info: dict[str, Any] = {}
+        # why the cache was kept uncompressed although a compressing method was asked for (else None)
+        self.uncompressed_reason: str | None = None
         self.document_tokens = 0
         self.documents: list[str] = []
         self._state = "empty"  # empty | open (inside a user message) | closed (after an answer)
@@ -180,6 +187,7 @@ class Session:
         body = "\n\n".join(t.strip("\n") for t in texts)
         head_ids = self._encode(self._turn_prefix())
         doc_ids = self._encode(body)
+        doc_tokens = len(doc_ids)
         room = self.context_length - self.logical_length - len(head_ids) - ANSWER_HEADROOM
         if len(doc_ids) > room:
             if self.truncate is None:
@@ -188,8 +196,12 @@ class Session:
             if room <= 0:
                 raise ContextTooLongError(self.logical_length + ANSWER_HEADROOM, self.context_length)
             doc_ids = truncate_ids(doc_ids, room, self.truncate)
+        dropped = doc_tokens - len(doc_ids)
         ids = head_ids + doc_ids
         stats = self._ingest_ids(ids, progress, compress)
+        if dropped:
+            stats = IngestStats(stats.tokens, stats.seconds, stats.prefill_seconds, stats.compress_seconds,
+                                dropped)
         self.document_tokens += len(doc_ids)
         self.documents.append(name or f"document {len(self.documents) + 1}")
         self._state = "open"
@@ -217,8 +229,8 @@ class Session:
         t1 = time.perf_counter()
         if fresh and compress:
             try:
-                self._compress()
-            except BudgetError:
+                self._compress(fallback=True)
+            except S4RError:
                 self.cache = None
                 raise
         elif not fresh:
@@ -226,10 +238,22 @@ class Session:
         t2 = time.perf_counter()
         return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1)
 
-    def _compress(self) -> None:
-        with torch.inference_mode():
-            self.compress_info = self._method.compress(
-                self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+    def _compress(self, *, fallback: bool = False) -> None:
+        """Compress the staged cache. With `fallback`, a ratio that cannot pay for itself at this length
+        (a short document) keeps the cache uncompressed instead: method `full`, and
+        `uncompressed_reason` says why. Without it (benchmark forks) the BudgetError propagates."""
+        try:
+            with torch.inference_mode():
+                self.compress_info = self._method.compress(
+                    self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+        except BudgetError as exc:
+            if not fallback:
+                raise
+            self.uncompressed_reason = (f"{self.logical_length:,} tokens are too few for {self.method} at "
+                                        f"ratio {self.ratio_requested:g} ({exc}); kept uncompressed")
+            self.method, self._method = "full", FullMethod()
+            self.compress_info = self._method.compress(self.cache, CompressContext(rope=self.rope, ratio=1.0))
+            self.compress_info["note"] = self.uncompressed_reason
 
     def fork(self, *, method: str, ratio: float, config_overrides: dict[str, Any] | None = None) -> Session:
         """A new session over a copy of this one's staged (uncompressed) documents, compressed with
@@ -257,17 +281,23 @@ class Session:
     # --- questions --------------------------------------------------------------------------------
     def ask(self, question: str, *, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = None, on_token: Callable[[str], None] | None = None,
-            prime: str = "") -> tuple[str, TurnStats]:
+            prime: str = "", repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+            loop_guard: bool = False) -> tuple[str, TurnStats]:
         """Answer `question` about the documents; streams text pieces through `on_token`.
 
         Ctrl-C (KeyboardInterrupt) stops the answer: the partial answer is returned with
         `interrupted=True` and the session stays usable. `prime` starts the answer with given text (as
-        benchmarks do); it is part of the prompt, not of the returned answer.
+        benchmarks do); it is part of the prompt, not of the returned answer. `repeat_penalty` (> 1)
+        penalizes the tokens among the last `repeat_last_n` of the prompt and answer; `loop_guard` stops
+        an answer that repeats a block of itself back to back. The defaults are plain decoding (what the
+        benchmarks use); `TurnStats.stop_reason` tells why the answer ended.
         """
         ids = self._encode(self._turn_prefix() + question.strip() + self.segments.to_assistant + prime)
         if self.logical_length + len(ids) + 1 > self.context_length:
             raise ContextTooLongError(self.logical_length + len(ids), self.context_length)
-        max_new_tokens = min(max_new_tokens, self.context_length - self.logical_length - len(ids))
+        room = self.context_length - self.logical_length - len(ids)
+        stop_reason = "context" if room < max_new_tokens else "max_new_tokens"
+        max_new_tokens = min(max_new_tokens, room)
         generator = None
         if seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -288,17 +318,16 @@ class Session:
                 tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
                 logits = prefill(self.model, self.cache, tensor, start_len, self.chunk_size)
                 if fresh:
-                    try:
-                        self.compress_info = self._method.compress(
-                            self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
-                    except BudgetError:
-                        self.compress_info = {"note": "prompt too short to compress; kept in full"}
+                    self._compress(fallback=True)
                 self._state = "closed"
                 for _ in range(max_new_tokens):
-                    token = sample_token(logits.float(), temperature, top_p, generator)
+                    recent = (ids[-repeat_last_n:] + generated)[-repeat_last_n:] if repeat_last_n > 0 else []
+                    logits = apply_repetition_penalty(logits.float(), recent, repeat_penalty)
+                    token = sample_token(logits, temperature, top_p, generator)
                     if t_first is None:
                         t_first = time.perf_counter()
                     if token in self._stop_ids:
+                        stop_reason = "end"
                         break
                     generated.append(token)
                     text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -308,8 +337,11 @@ class Session:
                         emitted = text
                     tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
                     logits = forward_tokens(self.model, self.cache, tok, self.cache.logical_length())
+                    if loop_guard and repeating_period(generated):
+                        stop_reason = "loop"
+                        break
         except KeyboardInterrupt:
-            interrupted = True
+            interrupted, stop_reason = True, "interrupted"
             if t_first is None:
                 # stopped while reading the question: as if it was never asked
                 self.cache.truncate(start_len)
@@ -328,7 +360,8 @@ class Session:
             prompt_tokens=len(ids), generated_tokens=len(generated), ttft_s=ttft,
             prefill_tok_s=len(ids) / ttft if ttft > 0 else 0.0,
             decode_tok_s=(len(generated) - 1) / decode_s if decode_s > 0 and len(generated) > 1 else 0.0,
-            peak_mem_bytes=peak_memory_bytes(self.device), memory=self.memory(), interrupted=interrupted)
+            peak_mem_bytes=peak_memory_bytes(self.device), memory=self.memory(), interrupted=interrupted,
+            stop_reason=stop_reason)
         return text, stats
 
     # --- persistence ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Shared test helpers: tiny random models and the path to the sample books."""
+"""Shared test helpers: tiny random models and the sample books (shipped inside the package)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ from typing import Any
 
 import torch
 
-# ../shared/data/books relative to the repository root (shared/ sits beside the clone, locally and in CI).
-BOOKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "books"
+from s4r.books import read_book
+
+
+def book_file(name: str, folder: Path) -> Path:
+    """Write shipped book ``name`` (the whole Gutenberg file) to ``folder/NAME.txt``; for CLI runs that
+    need a plain file. Nothing outside the repository is read."""
+    path = folder / f"{name}.txt"
+    path.write_text(read_book(name), encoding="utf-8")
+    return path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 

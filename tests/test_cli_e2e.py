@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tests.helpers import BOOKS
+from s4r.books import read_book
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +32,7 @@ JSON_KEYS = {"answer", "model", "method", "ratio_requested", "ratio_achieved", "
 @pytest.fixture(scope="module")
 def excerpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Chapters 1-3 or so (~12k characters, ~3k tokens) with the needle halfway, at a paragraph break."""
-    book = BOOKS / "pride-and-prejudice.txt"
-    if not book.is_file():
-        pytest.skip(f"{book} is not there")
-    text = book.read_text(encoding="utf-8-sig")
+    text = read_book("pride-and-prejudice")
     start = text.index("It is a truth universally acknowledged")
     paragraphs = text[start:start + 12_000].split("\n\n")
     paragraphs.insert(len(paragraphs) // 2, NEEDLE)

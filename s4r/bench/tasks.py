@@ -27,7 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from s4r.errors import S4RError
+from s4r.books import BOOKS_ENV, SHIPPED_DIR, book_body
+from s4r.books import strip_gutenberg as strip_gutenberg  # re-exported: moved to s4r.books
+from s4r.errors import S4RError as S4RError  # re-exported: what load_book raises
 
 __all__ = [
     "TASKS",
@@ -56,7 +58,6 @@ TASKS: list[str] = [
 NEEDLE_TASKS: tuple[str, ...] = ("niah_single_noise", "niah_single_book", "niah_multikey")
 
 DEFAULT_BOOK = "pride-and-prejudice"
-BOOKS_ENV = "S4R_BOOKS_DIR"
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH_INTRO = (
@@ -114,52 +115,22 @@ class Sample:
 
 
 def books_dir() -> Path:
-    """Return the folder holding the shared Project Gutenberg books.
-
-    Looks at ``$S4R_BOOKS_DIR`` first, then ``<repo>/../shared/data/books`` (the layout of every
-    checkout and of CI), then ``./shared/data/books`` and ``../shared/data/books`` from the
-    working directory. Raises :class:`S4RError` when none exists.
-    """
-    candidates: list[Path] = []
+    """Return the folder books are read from first: ``$S4R_BOOKS_DIR`` when set, else the books shipped
+    inside the package (``s4r/data``). See :mod:`s4r.books`; nothing outside the repository is needed."""
     env = os.environ.get(BOOKS_ENV)
-    if env:
-        candidates.append(Path(env).expanduser())
-    repo_root = Path(__file__).resolve().parents[2]
-    candidates.append(repo_root.parent / "shared" / "data" / "books")
-    cwd = Path.cwd()
-    candidates += [cwd / "shared" / "data" / "books", cwd.parent / "shared" / "data" / "books"]
-    for path in candidates:
-        if path.is_dir():
-            return path
-    raise S4RError(
-        "cannot find the benchmark books (looked in "
-        + ", ".join(str(p) for p in candidates)
-        + f"); set {BOOKS_ENV} to the folder holding pride-and-prejudice.txt"
-    )
-
-
-def strip_gutenberg(text: str) -> str:
-    """Return the body of a Project Gutenberg file: the text between its START and END lines."""
-    text = text.lstrip("\ufeff").replace("\r\n", "\n")
-    start = re.search(r"^\*\*\* ?START OF.*$", text, flags=re.MULTILINE)
-    end = re.search(r"^\*\*\* ?END OF.*$", text, flags=re.MULTILINE)
-    lo = start.end() if start else 0
-    hi = end.start() if end else len(text)
-    return text[lo:hi].strip()
+    return Path(env).expanduser() if env else SHIPPED_DIR
 
 
 @functools.lru_cache(maxsize=4)
 def load_book(name: str = DEFAULT_BOOK) -> str:
-    """Load a shared book as clean prose: Gutenberg header/footer removed, paragraphs unwrapped.
+    """Load a book (shipped, or from ``$S4R_BOOKS_DIR``) as clean prose: Gutenberg header/footer
+    removed, paragraphs unwrapped.
 
     Hard line wraps inside a paragraph become spaces (so needles can sit between sentences of
     running text), paragraphs are separated by one blank line, and illustration captions (layout
     residue, not prose) are dropped. ``name`` is the file stem, e.g. ``"romeo-and-juliet"``.
     """
-    path = books_dir() / f"{name}.txt"
-    if not path.is_file():
-        raise S4RError(f"no book {name!r} in {path.parent}")
-    body = strip_gutenberg(path.read_text(encoding="utf-8"))
+    body = book_body(name)
     # Illustration captions span blank lines (and may hold a bracketed copyright line), so they go
     # before the text is cut into paragraphs.
     body = re.sub(r"\[Illustration(?:[^\[\]]|\[[^\[\]]*\])*\]", "", body)

@@ -31,8 +31,8 @@ CALIBRATION_TOKENS = 2048
 
 
 def default_calibration_text() -> str:
-    """The calibration text used when none is given: the shared copy of Romeo and Juliet."""
-    from ..bench.tasks import load_book  # lazy: only the default text needs the shared books
+    """The calibration text used when none is given: Romeo and Juliet, shipped in the package."""
+    from ..bench.tasks import load_book  # lazy: only the default text needs the books
 
     return load_book(CALIBRATION_BOOK)
 
