@@ -20,6 +20,7 @@ from .generation import apply_repetition_penalty, forward_tokens, prefill, repea
 from .memory import MemoryReport, peak_memory_bytes
 from .methods import METHODS, CompressContext, FullMethod, make_method
 from .persist import load_cache, read_header, save_cache
+from .ratio_limits import method_max_ratio
 from .rope import model_rope_fn
 
 __all__ = ["METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
@@ -246,11 +247,13 @@ class Session:
             with torch.inference_mode():
                 self.compress_info = self._method.compress(
                     self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
-        except BudgetError as exc:
+        except BudgetError:
             if not fallback:
                 raise
-            self.uncompressed_reason = (f"{self.logical_length:,} tokens are too few for {self.method} at "
-                                        f"ratio {self.ratio_requested:g} ({exc}); kept uncompressed")
+            tokens = self.logical_length
+            best = method_max_ratio(self._method, self.shape, tokens)
+            self.uncompressed_reason = (f"{tokens:,} tokens are too few for {self.method} to reach ratio "
+                                        f"{self.ratio_requested:g} (at most ×{best:.2f} at this length)")
             self.method, self._method = "full", FullMethod()
             self.compress_info = self._method.compress(self.cache, CompressContext(rope=self.rope, ratio=1.0))
             self.compress_info["note"] = self.uncompressed_reason

@@ -2,8 +2,10 @@
 
 Exit codes:
     0    success
-    1    runtime error: model/device/cache/context problems (any S4RError), or an internal error
-    2    usage error: bad options, bad input files, an unknown model name
+    1    runtime error: the model or a saved cache cannot be loaded, a failure while running, a bug
+    2    bad input: bad options, unreadable or missing files, an unknown model or book, a document or
+         question longer than the context (without --truncate), a --ratio the method can never reach,
+         a device that is not there (`--device cuda` without a GPU)
     130  interrupted (Ctrl-C)
     141  stdout closed early by its reader (`s4r ask ... | head`), like tools killed by SIGPIPE
 """
@@ -16,10 +18,11 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+import click
 import typer
 
-from s4r_cli import ask, chat, models_cmd
-from s4r_cli.common import PipeClosed, UsageError, error_message
+from s4r_cli import ask, books_cmd, chat, models_cmd
+from s4r_cli.common import METHOD_HELP, PipeClosed, UsageError, error_message
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
@@ -43,6 +46,7 @@ def _root(ctx: typer.Context) -> None:
 chat.register(app)
 ask.register(app)
 models_cmd.register(app)
+books_cmd.register(app)
 
 
 def _register_bench(app: typer.Typer) -> None:
@@ -97,13 +101,30 @@ def _silence_stdout() -> None:
         pass
 
 
+def fill_method_help(command: click.Command) -> None:
+    """Put every registered method (s4r.methods.METHODS) into the --method help of each subcommand.
+
+    Done only when help is shown: the list lives in the library, whose import loads torch.
+    """
+    try:
+        from s4r.methods import METHODS
+    except ImportError:
+        return
+    for sub in getattr(command, "commands", {}).values():
+        for param in sub.params:
+            if param.name == "method" and getattr(param, "help", None):
+                param.help = METHOD_HELP.format(methods=", ".join(METHODS))
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code; every failure becomes one line on stderr."""
-    from s4r.errors import S4RError
+    from s4r.errors import ContextTooLongError, S4RError
 
     command = typer.main.get_command(app)
     try:
-        args = list(argv) if argv is not None else None
+        args = list(argv) if argv is not None else sys.argv[1:]
+        if "--help" in args or "-h" in args:
+            fill_method_help(command)
         rv = command.main(args=args, prog_name="s4r", standalone_mode=False)
         return rv if isinstance(rv, int) else EXIT_OK
     except UsageError as e:
@@ -115,7 +136,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     except S4RError as e:
         _debug_traceback()
         _say(f"error: {error_message(e)}")
-        return EXIT_RUNTIME
+        # a document or question longer than the context is bad input, like a missing file
+        return EXIT_USAGE if isinstance(e, ContextTooLongError) else EXIT_RUNTIME
     except PipeClosed:
         _silence_stdout()
         return EXIT_PIPE

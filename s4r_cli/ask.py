@@ -10,6 +10,7 @@ import typer
 
 from s4r_cli.common import (
     DEFAULT_MODEL,
+    BookOpt,
     CommonArgs,
     DeviceOpt,
     Document,
@@ -17,16 +18,19 @@ from s4r_cli.common import (
     DtypeOpt,
     FileOpt,
     LoadOpt,
+    LoopGuardOpt,
     MaxNewTokensOpt,
     MethodOpt,
     ModelOpt,
     Quant,
     QuantOpt,
     RatioOpt,
+    RepeatPenaltyOpt,
     RopeScalingOpt,
     SeedOpt,
     SystemOpt,
     TemperatureOpt,
+    ThreadsOpt,
     TopPOpt,
     TruncateOpt,
     UsageError,
@@ -37,11 +41,12 @@ from s4r_cli.common import (
     load_model,
     open_session,
     pipe_guard,
+    read_book_documents,
     read_document_stream,
     read_documents,
     stdin_bytes,
 )
-from s4r_cli.ui import UI, short_dtype
+from s4r_cli.ui import UI, short_dtype, stop_notice
 
 EXIT_INTERRUPTED = 130
 
@@ -50,6 +55,7 @@ def ask(
     ctx: typer.Context,
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="What to ask about the document.")],
     file: FileOpt = None,
+    book: BookOpt = None,
     load: LoadOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     ratio: RatioOpt = 5.0,
@@ -63,19 +69,25 @@ def ask(
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = 1.1,
+    loop_guard: LoopGuardOpt = True,
     system: SystemOpt = None,
+    threads: ThreadsOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Model, cache and speed stats on stderr.")]
     = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (answer and stats) instead.")]
     = False,
 ) -> None:
-    """Answer one question about a document (--file, or text piped on stdin).
+    """Answer one question about a document (--file, --book, or text piped on stdin).
 
     Only the answer goes to stdout; `-v` adds stats on stderr.
+
+    Truncation, an uncompressed cache and an answer cut short are each said in one line on stderr.
     """
     args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                        truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling)
+                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling, books=book,
+                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard)
     with pipe_guard():
         code = run_ask(args, question, verbose=verbose, as_json=as_json)
     if code:
@@ -83,25 +95,34 @@ def ask(
 
 
 def gather_documents(args: CommonArgs) -> list[Document]:
-    """--file documents, else stdin when something is piped in; --load alone needs none."""
+    """--file and --book documents, else stdin when something is piped in; --load alone needs none."""
     stdin = stdin_bytes()
-    if args.files:
-        return read_documents(args.files, stdin=stdin)
+    if args.files or args.books:
+        return read_documents(args.files, stdin=stdin) + read_book_documents(args.books)
     if stdin is not None and not args.load:
         return [read_document_stream(stdin)]
     if args.load:
         return []
-    raise UsageError("no document: pass --file FILE, pipe text on stdin, or --load a saved cache")
+    raise UsageError("no document: pass --file FILE or --book NAME, pipe text on stdin, or --load a saved "
+                     "cache")
 
 
 def result_record(answer: str, stats: Any, args: CommonArgs, loaded: Any, session: Any,
-                  ingest_seconds: float) -> dict[str, Any]:
-    """The --json object. The ratio reported as achieved is measured from the stored cache."""
+                  ingest_seconds: float, truncated_tokens: int = 0) -> dict[str, Any]:
+    """The --json object. The ratio reported as achieved is measured from the stored cache.
+
+    ``compressed`` is false (with ``uncompressed_reason``) when the documents were too short for the
+    requested ratio to pay for itself and the cache was kept whole.
+    """
     mem = stats.memory
+    reason = getattr(session, "uncompressed_reason", None)
     return {
         "answer": answer,
         "model": loaded.name,
         "method": session.method,
+        "method_requested": args.method,
+        "compressed": session.method != "full",
+        "uncompressed_reason": reason,
         "ratio_requested": session.ratio_requested,
         "ratio_achieved": mem.ratio,
         "kv_bytes": mem.stored_bytes,
@@ -119,6 +140,9 @@ def result_record(answer: str, stats: Any, args: CommonArgs, loaded: Any, sessio
         "dtype": short_dtype(loaded.dtype),
         "quant": getattr(loaded, "quant", args.quant.value),
         "interrupted": stats.interrupted,
+        "stop_reason": getattr(stats, "stop_reason", "end"),
+        "truncated_tokens": truncated_tokens,
+        "repeat_penalty": args.generation.repeat_penalty,
     }
 
 
@@ -134,18 +158,22 @@ def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: 
 
     ui = UI.for_ask()
     loaded = load_model(args, ui)
-    session, ingest_seconds = open_session(args, loaded, docs, ui)
+    session, ingest_seconds, dropped = open_session(args, loaded, docs, ui)
     if verbose:
         ui.header_plain(loaded, session, ingest_seconds)
 
     if as_json:
         answer, stats = session.ask(question, **args.generation.kwargs())
-        record = result_record(answer, stats, args, loaded, session, ingest_seconds)
+        record = result_record(answer, stats, args, loaded, session, ingest_seconds,
+                               truncated_tokens=dropped)
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
     else:
         with ui.answer() as stream:
             answer, stats = session.ask(question, on_token=stream.on_token, **args.generation.kwargs())
+    notice = stop_notice(stats)
+    if notice:
+        ui.notice(notice)
     if verbose:
         ui.turn_stats(stats)
     return EXIT_INTERRUPTED if stats.interrupted else 0

@@ -200,27 +200,6 @@ def _progress(err: Console) -> Progress:
 
 # --- configuration --------------------------------------------------------------------------------------
 
-def auto_threads() -> int | None:
-    """CPU threads for torch when --threads is not given: the cores other processes leave free.
-
-    torch's default (one thread per core) collapses when other jobs hold cores: its threads wait on one
-    another at every operation (a `--quick` run measured 23 min with 2 threads beside other jobs on 2
-    cores, against 2 min with 1). None (keep torch's choice) when OMP_NUM_THREADS says what to use.
-    """
-    import os
-
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    import torch
-
-    cores = torch.get_num_threads()
-    try:
-        busy = round(os.getloadavg()[0])
-    except OSError:  # no load average on this platform
-        return None
-    return max(1, min(cores, (os.cpu_count() or cores) - busy))
-
-
 def _random_lengths(context_length: int) -> tuple[int, ...]:
     from s4r.bench.runner import RANDOM_WEIGHTS_LENGTHS
 
@@ -400,12 +379,10 @@ def bench(
     from s4r.bench.runner import BenchRunner
     from s4r.errors import S4RError
     from s4r.loading import load_model, resolve_device
+    from s4r.threads import apply_threads
 
     dev = resolve_device(device)  # `--device cuda` without a GPU fails before any loading
-    if threads is None and dev.type == "cpu":
-        threads = auto_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    apply_threads(threads, dev.type)  # the policy every command shares (s4r/threads.py)
     random_context = None
     if random_weights:
         from s4r.profiles import load_profile

@@ -8,22 +8,26 @@ import typer
 
 from s4r_cli.common import (
     DEFAULT_MODEL,
+    BookOpt,
     CommonArgs,
     DeviceOpt,
     Dtype,
     DtypeOpt,
     FileOpt,
     LoadOpt,
+    LoopGuardOpt,
     MaxNewTokensOpt,
     MethodOpt,
     ModelOpt,
     Quant,
     QuantOpt,
     RatioOpt,
+    RepeatPenaltyOpt,
     RopeScalingOpt,
     SeedOpt,
     SystemOpt,
     TemperatureOpt,
+    ThreadsOpt,
     TopPOpt,
     TruncateOpt,
     UsageError,
@@ -34,14 +38,20 @@ from s4r_cli.common import (
     load_model,
     open_session,
     pipe_guard,
+    read_book_documents,
+    read_document_stream,
     read_documents,
+    stdin_bytes,
 )
-from s4r_cli.ui import UI, is_tty
+from s4r_cli.ui import UI
+
+EXIT_INTERRUPTED = 130
 
 
 def chat(
     ctx: typer.Context,
     file: FileOpt = None,
+    book: BookOpt = None,
     load: LoadOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     ratio: RatioOpt = 5.0,
@@ -55,41 +65,69 @@ def chat(
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = 1.1,
+    loop_guard: LoopGuardOpt = True,
     system: SystemOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Chat about documents held in a compressed KV cache.
 
+    Text piped in (`cat book.txt | s4r chat`) is the document; the questions then come from the terminal.
     Enter sends; Esc Enter (Alt+Enter) or a trailing backslash starts a new line. /help lists the commands.
     """
     args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                        truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling)
+                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling, books=book,
+                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard)
     with pipe_guard():
-        run_chat(args)
+        code = run_chat(args)
+    if code:
+        raise typer.Exit(code)
 
 
-def run_chat(args: CommonArgs) -> None:
-    """Everything after option parsing: validate input, load, ingest, then the REPL until /exit or Ctrl-D."""
-    from s4r_cli.repl import ChatState, CommandHandler, LineReader, PromptReader, run_repl
-
+def document_on_stdin(args: CommonArgs) -> bool:
+    """Is stdin the document? With `--file -`, or when text is piped in and nothing else names a document."""
     if "-" in args.files:
-        raise UsageError("chat reads your questions from stdin, so --file - is not available; use s4r ask")
-    docs = read_documents(args.files)
+        return True
+    return stdin_bytes() is not None and not (args.files or args.books or args.load)
+
+
+def run_chat(args: CommonArgs) -> int:
+    """Everything after option parsing: validate input, load, ingest, then the REPL until /exit or Ctrl-D.
+
+    Returns the exit code: 0, or 130 when Ctrl-C left the REPL.
+    """
+    from s4r_cli.repl import ChatState, CommandHandler, open_terminal, question_reader, run_repl
+
+    questions = None
+    if document_on_stdin(args):
+        # the questions must come from somewhere else: the terminal, or nowhere (refuse before reading)
+        questions = open_terminal()
+        if questions is None:
+            raise UsageError("the document came on stdin and there is no terminal to read questions from; "
+                             "use s4r ask QUESTION for one answer, or pass the document with --file")
+        stdin = stdin_bytes()
+        if stdin is None:
+            raise UsageError("--file - needs a document on stdin")
+        docs = [read_document_stream(stdin)]
+        docs += read_documents([f for f in args.files if f != "-"]) + read_book_documents(args.books)
+    else:
+        docs = read_documents(args.files) + read_book_documents(args.books)
     if args.load:
         check_cache_path(args.load)
     check_model_spec(args.model)
     check_method(args.method)
 
-    ui = UI.for_chat()
+    ui = UI.for_chat(questions)
     loaded = load_model(args, ui)
-    session, ingest_seconds = open_session(args, loaded, docs, ui)
+    session, ingest_seconds, _ = open_session(args, loaded, docs, ui)
     ui.header(loaded, session, ingest_seconds)
 
     state = ChatState(loaded=loaded, session=session, settings=args.generation,
-                      load_kwargs=args.session_kwargs(only_explicit=True), ingest_seconds=ingest_seconds)
-    # a terminal gets the full line editor; piped input (scripts, tests) is read line by line
-    reader = PromptReader() if is_tty(sys.stdin) and is_tty(sys.stdout) else LineReader(sys.stdin)
-    run_repl(CommandHandler(state, ui), reader)
+                      load_kwargs=args.session_kwargs(only_explicit=True), ingest_seconds=ingest_seconds,
+                      loaded_from=args.load)
+    reader = question_reader(questions if questions is not None else sys.stdin)
+    return run_repl(CommandHandler(state, ui), reader)
 
 
 def register(app: typer.Typer) -> None:

@@ -69,7 +69,8 @@ class Quant(str, Enum):
 
 
 class Truncate(str, Enum):
-    """Choices for --truncate: which part of an over-long document to keep."""
+    """Choices for --truncate: head keeps the start, tail the end, middle cuts out the middle (keeps
+    both ends)."""
 
     head = "head"
     tail = "tail"
@@ -95,11 +96,15 @@ QuantOpt = Annotated[Quant, typer.Option(
 RatioOpt = Annotated[float, typer.Option(
     "--ratio", "-r", rich_help_panel=_CACHE,
     help="KV-cache compression ratio: the cache is stored in 1/RATIO of its full size (1 to 1000).")]
+# the list of methods is filled in from s4r.methods.METHODS when help is shown (app.fill_method_help):
+# importing the library here would load torch for every command
+METHOD_HELP = "The KV-cache method: {methods}. s4r compresses; full is the uncompressed reference."
 MethodOpt = Annotated[str, typer.Option(
-    "--method", rich_help_panel=_CACHE, help="s4r (compressed cache) or full (uncompressed baseline).")]
+    "--method", rich_help_panel=_CACHE, help=METHOD_HELP.format(methods="s4r, full, …"))]
 TruncateOpt = Annotated[Truncate | None, typer.Option(
     "--truncate", case_sensitive=False, rich_help_panel=_CACHE,
-    help="If a document is longer than the context, keep its head, tail or middle (default: refuse).")]
+    help="If a document is longer than the context: head keeps its start, tail its end, middle cuts out "
+         "the middle and keeps both ends. Default: refuse (exit 2).")]
 RopeScalingOpt = Annotated[float | None, typer.Option(
     "--rope-scaling", metavar="FACTOR", rich_help_panel=_MODEL, show_default=False,
     help="Stretch the model's context FACTOR times (above 1, at most 8) by rescaling its RoPE; "
@@ -110,10 +115,24 @@ TemperatureOpt = Annotated[float, typer.Option(
     "--temperature", "-t", rich_help_panel=_GEN, help="Sampling temperature; 0 is greedy.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", rich_help_panel=_GEN, help="Nucleus sampling mass (0-1].")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", rich_help_panel=_GEN, help="Seed for sampling.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option(
+    "--repeat-penalty", rich_help_panel=_GEN,
+    help="Penalize tokens used in the last 64 tokens, as llama.cpp and ollama do; 1 turns it off.")]
+LoopGuardOpt = Annotated[bool, typer.Option(
+    "--loop-guard/--no-loop-guard", rich_help_panel=_GEN,
+    help="Stop an answer that starts repeating itself (and say so on stderr).")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", rich_help_panel=_MODEL, show_default=False, min=1,
+    help="CPU threads for torch (default: the cores the 1-minute load average leaves free, at least 1; "
+         "torch's own choice when OMP_NUM_THREADS is set).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", rich_help_panel=_GEN, help="System prompt.")]
 FileOpt = Annotated[list[str] | None, typer.Option(
     "--file", "-f", rich_help_panel=_INPUT, show_default=False,
     help="A UTF-8 text document to read (repeatable; `-` is stdin).")]
+BookOpt = Annotated[list[str] | None, typer.Option(
+    "--book", "-b", rich_help_panel=_INPUT, show_default=False, metavar="NAME",
+    help="A book shipped with s4r (`s4r books` lists them: pride-and-prejudice, romeo-and-juliet), read "
+         "without its Project Gutenberg header and license (repeatable).")]
 LoadOpt = Annotated[str | None, typer.Option(
     "--load", rich_help_panel=_INPUT, show_default=False,
     help="Start from a cache saved with /save instead of reading documents.")]
@@ -127,6 +146,9 @@ class GenerationSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # like llama.cpp and ollama: 1.1 over the last 64 tokens (1 = off); the bench decodes without it
+    repeat_penalty: float = 1.1
+    loop_guard: bool = True
 
     def validate(self) -> None:
         """Raise UsageError if any value is out of range."""
@@ -134,17 +156,20 @@ class GenerationSettings:
         check_temperature(self.temperature)
         check_top_p(self.top_p)
         check_seed(self.seed)
+        check_repeat_penalty(self.repeat_penalty)
 
     def describe(self) -> str:
         """One line for /set and /stats."""
         seed = self.seed if self.seed is not None else "none"
         return (f"temperature {self.temperature:g}, top_p {self.top_p:g}, max_tokens {self.max_new_tokens}, "
-                f"seed {seed}")
+                f"seed {seed}, repeat_penalty {self.repeat_penalty:g}, "
+                f"loop_guard {'on' if self.loop_guard else 'off'}")
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for Session.ask."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": self.seed}
+                "top_p": self.top_p, "seed": self.seed, "repeat_penalty": self.repeat_penalty,
+                "repeat_last_n": REPEAT_LAST_N, "loop_guard": self.loop_guard}
 
     def set(self, key: str, value: str) -> str:
         """Parse and apply `/set KEY VALUE`; return the canonical key. Raise UsageError when invalid."""
@@ -158,13 +183,30 @@ class GenerationSettings:
         elif key == "seed":
             random = value.lower() in ("none", "off", "random")
             self.seed = None if random else check_seed(_parse_int(key, value))
+        elif key == "repeat_penalty":
+            self.repeat_penalty = check_repeat_penalty(_parse_float(key, value))
+        elif key == "loop_guard":
+            self.loop_guard = _parse_switch(key, value)
         else:
-            raise UsageError(f"unknown setting '{key}'; settable: temperature, top_p, max_tokens, seed")
+            raise UsageError(f"unknown setting '{key}'; settable: {SETTABLE}")
         return key
 
 
+REPEAT_LAST_N = 64
+MAX_REPEAT_PENALTY = 10.0
+SETTABLE = "temperature, top_p, max_tokens, seed, repeat_penalty, loop_guard, truncate"
 SET_ALIASES = {"temp": "temperature", "topp": "top_p", "max_tokens": "max_new_tokens",
-               "max_new_tokens": "max_new_tokens", "maxtokens": "max_new_tokens"}
+               "max_new_tokens": "max_new_tokens", "maxtokens": "max_new_tokens",
+               "repeat_penalty": "repeat_penalty", "penalty": "repeat_penalty", "loop_guard": "loop_guard"}
+
+
+def _parse_switch(key: str, value: str) -> bool:
+    v = value.lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise UsageError(f"{key} must be on or off, got '{value}'")
 
 
 def _parse_float(key: str, value: str) -> float:
@@ -216,6 +258,13 @@ def check_seed(seed: int | None) -> int | None:
     if seed is not None and seed < 0:
         raise UsageError(f"seed must be 0 or positive, got {seed}")
     return seed
+
+
+def check_repeat_penalty(p: float) -> float:
+    """1 (off) up to MAX_REPEAT_PENALTY; below 1 would reward repetition."""
+    if not math.isfinite(p) or not 1.0 <= p <= MAX_REPEAT_PENALTY:
+        raise UsageError(f"repeat penalty must be between 1 (off) and {MAX_REPEAT_PENALTY:g}, got {p:g}")
+    return p
 
 
 def check_rope_scaling(factor: float | None) -> float | None:
@@ -318,6 +367,21 @@ def read_documents(files: Sequence[str], *, stdin: IO[bytes] | None = None) -> l
     return docs
 
 
+def read_book_documents(names: Sequence[str]) -> list[Document]:
+    """The shipped (or $S4R_BOOKS_DIR) books named by --book, without their Gutenberg header and license."""
+    if not names:
+        return []
+    from s4r.books import BookNotFoundError, book_body
+
+    docs = []
+    for name in names:
+        try:
+            docs.append(Document(name=name, text=book_body(name)))
+        except BookNotFoundError as e:
+            raise UsageError(str(e)) from None
+    return docs
+
+
 def stdin_bytes() -> IO[bytes] | None:
     """Binary stdin when something is piped in, None when stdin is a terminal or closed."""
     s = sys.stdin
@@ -411,7 +475,9 @@ class CommonArgs:
     rope_scaling: float | None = None
     system: str | None = None
     files: list[str] = field(default_factory=list)
+    books: list[str] = field(default_factory=list)
     load: str | None = None
+    threads: int | None = None
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     # session options the user typed; a saved cache keeps its own settings for the rest
     explicit: frozenset[str] = frozenset()
@@ -422,8 +488,9 @@ class CommonArgs:
         check_rope_scaling(self.rope_scaling)
         self.device = check_device(self.device)
         self.generation.validate()
-        if self.load and self.files:
-            raise UsageError("--load and --file cannot be combined; /read adds documents after loading")
+        if self.load and (self.files or self.books):
+            raise UsageError("--load cannot be combined with --file or --book; /read adds documents after "
+                             "loading")
 
     def session_kwargs(self, *, only_explicit: bool = False) -> dict[str, Any]:
         """Keyword arguments for Session(...) / Session.load(...)."""
@@ -437,28 +504,38 @@ class CommonArgs:
 def common_args(ctx: typer.Context, *, model: str, device: str, dtype: Dtype, quant: Quant, ratio: float,
                 method: str, truncate: Truncate | None, system: str | None, files: list[str] | None,
                 load: str | None, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int | None, rope_scaling: float | None = None) -> CommonArgs:
+                seed: int | None, rope_scaling: float | None = None, books: list[str] | None = None,
+                threads: int | None = None, repeat_penalty: float = 1.1,
+                loop_guard: bool = True) -> CommonArgs:
     """Bundle the shared options of a command into a validated CommonArgs."""
     explicit = {name for name in ("method", "ratio", "system", "truncate")
                 if (src := ctx.get_parameter_source(name)) is not None and src.name != "DEFAULT"}
     args = CommonArgs(model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                       truncate=truncate, rope_scaling=rope_scaling, system=system, files=list(files or []),
-                      load=load,
-                      generation=GenerationSettings(max_new_tokens, temperature, top_p, seed),
+                      books=list(books or []), load=load, threads=threads,
+                      generation=GenerationSettings(max_new_tokens, temperature, top_p, seed, repeat_penalty,
+                                                    loop_guard),
                       explicit=frozenset(explicit))
     args.validate()
     return args
 
 
 def load_model(args: CommonArgs, ui: UI) -> Any:
-    """Check the device, then load the model with a progress display. Returns the LoadedModel.
+    """Check the device, set the threads, then load the model with a progress display.
 
-    With --rope-scaling, one warning line on stderr says how far the context now reaches.
+    Returns the LoadedModel. A device that is not there (`--device cuda` without a GPU) is bad input:
+    UsageError, exit 2. With --rope-scaling, one warning line on stderr says how far the context reaches.
     """
+    from s4r.errors import DeviceError
     from s4r.loading import load_model as _load_model
     from s4r.loading import resolve_device
+    from s4r.threads import apply_threads
 
-    resolve_device(args.device)  # fail fast on `--device cuda` without a GPU, before any download/IO
+    try:
+        device = resolve_device(args.device)  # fail fast, before any download/IO
+    except DeviceError as e:
+        raise UsageError(error_message(e)) from None
+    apply_threads(args.threads, getattr(device, "type", str(device)))
     with ui.loading(args.model) as progress:
         loaded = _load_model(args.model, device=args.device, dtype=args.dtype.value, quant=args.quant.value,
                              progress=progress, rope_scaling=args.rope_scaling)
@@ -469,21 +546,73 @@ def load_model(args: CommonArgs, ui: UI) -> Any:
     return loaded
 
 
-def ingest(session: Session, doc: Document, ui: UI) -> IngestStats:
-    """Add one document to the session with a progress bar."""
-    with ui.ingesting(doc.name) as progress:
-        return session.ingest(doc.text, name=doc.name, progress=progress)
+def ingest(session: Session, doc: Document, ui: UI, *, remedy: str = "--truncate") -> IngestStats:
+    """Add one document to the session with a progress bar; one line says what --truncate left out.
+
+    A document over the context is bad input (UsageError, exit 2); ``remedy`` names the way out where
+    the user is (``--truncate`` on the command line, ``/set truncate`` in the REPL).
+    """
+    from s4r.errors import ContextTooLongError
+
+    try:
+        with ui.ingesting(doc.name) as progress:
+            stats = session.ingest(doc.text, name=doc.name, progress=progress)
+    except ContextTooLongError as e:
+        raise UsageError(f"{doc.name} is too long: {e.tokens:,} tokens with the conversation, over the "
+                         f"model's context of {e.limit:,}; {remedy} head|tail|middle keeps the part that "
+                         "fits" + (", --rope-scaling FACTOR stretches the context (lower quality)"
+                                   if remedy == "--truncate" else "")) from None
+    dropped = getattr(stats, "dropped_tokens", 0)
+    if dropped:
+        kept = {"head": "kept its start", "tail": "kept its end",
+                "middle": "cut out its middle, kept both ends"}.get(str(session.truncate), "kept a part")
+        ui.notice(f"truncated {doc.name}: {dropped:,} of {dropped + stats.tokens:,} tokens left out to fit "
+                  f"the context ({session.truncate}: {kept})")
+    return stats
 
 
-def open_session(args: CommonArgs, loaded: Any, docs: Sequence[Document], ui: UI) -> tuple[Session, float]:
-    """Create the session (fresh or from --load), ingest the documents; return (session, ingest seconds)."""
+def check_ratio_reachable(args: CommonArgs, loaded: Any) -> None:
+    """Refuse a --ratio the method can never reach on this model, before any document is read."""
+    if args.load or args.method == "full":
+        return
+    from s4r.ratio_limits import max_ratio
+
+    best = max_ratio(loaded, args.method)
+    if args.ratio > best:
+        context = int(loaded.context_length)
+        raise UsageError(f"--ratio {args.ratio:g} is never reachable with {args.method} on {loaded.name}: at "
+                         f"most ×{best:.1f}, even with a document filling the {context:,}-token context; "
+                         "use a lower --ratio")
+
+
+def open_session(args: CommonArgs, loaded: Any, docs: Sequence[Document],
+                 ui: UI) -> tuple[Session, float, int]:
+    """Create the session (fresh or from --load), ingest the documents.
+
+    Returns (session, ingest seconds, document tokens --truncate left out).
+
+    A ratio the method can never reach is refused first; a document too short for the ratio to pay for
+    itself is kept uncompressed, said in one line.
+    """
     from s4r.session import Session
 
+    check_ratio_reachable(args, loaded)
     if args.load:
         session = Session.load(args.load, loaded, **args.session_kwargs(only_explicit=True))
     else:
         session = Session(loaded, **args.session_kwargs())
-    seconds = 0.0
+    seconds, dropped = 0.0, 0
     for doc in docs:
-        seconds += ingest(session, doc, ui).seconds
-    return session, seconds
+        stats = ingest(session, doc, ui)
+        seconds += stats.seconds
+        dropped += getattr(stats, "dropped_tokens", 0)
+    if docs:
+        report_uncompressed(session, ui)
+    return session, seconds, dropped
+
+
+def report_uncompressed(session: Any, ui: UI) -> None:
+    """One line when the documents were kept uncompressed (too short for the ratio), and why."""
+    reason = getattr(session, "uncompressed_reason", None)
+    if reason:
+        ui.notice(f"kept the cache uncompressed (method full): {reason}, so compressing would not pay")

@@ -11,6 +11,7 @@ When stdin is not a terminal, lines are read plainly and a trailing backslash al
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,15 +26,20 @@ from prompt_toolkit.output import Output
 
 from s4r.errors import ContextTooLongError, S4RError
 from s4r_cli.common import (
+    SETTABLE,
     GenerationSettings,
+    Truncate,
     UsageError,
     check_cache_path,
     error_message,
     ingest,
     method_label,
     read_document_file,
+    report_uncompressed,
 )
-from s4r_cli.ui import UI, mib, seconds, turn_stats_line
+from s4r_cli.ui import UI, is_tty, mib, seconds, stop_notice, turn_stats_line
+
+EXIT_INTERRUPTED = 130
 
 COMMANDS: list[tuple[str, str]] = [
     ("/help", "show this help"),
@@ -42,11 +48,12 @@ COMMANDS: list[tuple[str, str]] = [
     ("/read FILE", "add a document"),
     ("/save PATH", "save the compressed cache (documents + conversation)"),
     ("/load PATH", "replace the session with a saved cache (same model and method)"),
-    ("/set KEY VALUE", "temperature, top_p, max_tokens or seed (`/set` alone shows them)"),
+    ("/set KEY VALUE", f"{SETTABLE} (`/set` alone shows them)"),
     ("/exit, /quit", "leave (Ctrl-D too)"),
 ]
 HELP_FOOTER = ("Enter sends; Esc Enter (or Alt+Enter) or a trailing \\ starts a new line; pasted text keeps "
-               "its newlines. Ctrl-C stops an answer or clears the line. Start with // to send a literal /.")
+               "its newlines. Ctrl-C stops an answer or clears the line; on an empty line it leaves. Start "
+               "with // to send a literal /.")
 
 
 @dataclass
@@ -60,6 +67,8 @@ class ChatState:
     load_kwargs: dict[str, Any]
     ingest_seconds: float = 0.0
     last_stats: Any = None
+    # the saved cache the session came from (--load or /load), else None
+    loaded_from: str | None = None
 
 
 class CommandHandler:
@@ -111,7 +120,7 @@ class CommandHandler:
         """Stream one answer, then its stats line."""
         settings = self.state.settings.kwargs()
         try:
-            with self.ui.answer() as stream:
+            with self.ui.answer(memory=self.state.session.memory) as stream:
                 _, stats = self.state.session.ask(question, on_token=stream.on_token, **settings)
         except ContextTooLongError as e:
             # mid-chat the way out is forgetting the conversation, not a command-line flag
@@ -119,6 +128,9 @@ class CommandHandler:
                           "/clear forgets it and keeps the documents")
             return
         self.state.last_stats = stats
+        notice = stop_notice(stats, in_repl=True)
+        if notice:
+            self.ui.notice(notice)
         self.ui.turn_stats(stats)
 
     # -- slash commands (each returns False to quit) --------------------------------------------------------
@@ -135,7 +147,7 @@ class CommandHandler:
         rows = [
             ("model", f"{self.state.loaded.name} on {self.state.loaded.device}"),
             ("method", method_label(s)),
-            ("documents", f"{s.document_tokens:,} tokens, ingested in {seconds(self.state.ingest_seconds)}"),
+            ("documents", f"{s.document_tokens:,} tokens, {self._documents_origin()}"),
             ("KV cache", f"{mem.tokens:,} tokens: {mib(mem.full_bytes)} full → {mib(mem.stored_bytes)} "
                          f"stored (×{mem.ratio:.2f} achieved)"),
             ("settings", g.describe()),
@@ -143,6 +155,15 @@ class CommandHandler:
         ]
         self.ui.key_values("stats", rows)
         return True
+
+    def _documents_origin(self) -> str:
+        """How the documents got here: 'ingested in 4.2 s', 'loaded from x.s4r', or both."""
+        parts = []
+        if self.state.loaded_from:
+            parts.append(f"loaded from {self.state.loaded_from}")
+        if self.state.ingest_seconds or not parts:
+            parts.append(f"ingested in {seconds(self.state.ingest_seconds)}")
+        return " + ".join(parts)
 
     def cmd_clear(self, arg: str) -> bool:
         """/clear: forget the conversation, keep the documents."""
@@ -157,7 +178,10 @@ class CommandHandler:
         if not arg:
             raise UsageError("usage: /read FILE")
         doc = read_document_file(arg)
-        stats = ingest(self.state.session, doc, self.ui)
+        first = not self.state.session.document_tokens
+        stats = ingest(self.state.session, doc, self.ui, remedy="/set truncate")
+        if first:
+            report_uncompressed(self.state.session, self.ui)
         self.state.ingest_seconds += stats.seconds
         mem = self.state.session.memory()
         self.ui.message(f"read {arg}: {stats.tokens:,} tokens in {seconds(stats.seconds)}; KV now "
@@ -169,6 +193,10 @@ class CommandHandler:
         if not arg:
             raise UsageError("usage: /save PATH")
         path = Path(arg).expanduser()
+        if not path.parent.is_dir():
+            raise UsageError(f"cannot save to {arg}: the folder {path.parent} does not exist")
+        if path.is_dir():
+            raise UsageError(f"cannot save to {arg}: it is a folder; give a file name")
         self.state.session.save(path)
         size = f" ({mib(path.stat().st_size)})" if path.is_file() else ""
         self.ui.message(f"saved {self.state.session.memory().tokens:,} tokens to {arg}{size}")
@@ -187,6 +215,7 @@ class CommandHandler:
         self.state.session = session
         self.state.last_stats = None
         self.state.ingest_seconds = 0.0
+        self.state.loaded_from = arg
         self.ui.message(f"loaded {arg}")
         self.ui.header(self.state.loaded, session, None)
         return True
@@ -199,9 +228,21 @@ class CommandHandler:
             return True
         key, _, value = arg.partition(" ")
         if not value.strip():
-            raise UsageError("usage: /set KEY VALUE (temperature, top_p, max_tokens, seed)")
+            raise UsageError(f"usage: /set KEY VALUE ({SETTABLE})")
+        if key.lower() == "truncate":
+            return self._set_truncate(value.strip())
         key = g.set(key, value.strip())
         self.ui.message(f"{key} = {getattr(g, key)}")
+        return True
+
+    def _set_truncate(self, value: str) -> bool:
+        """/set truncate head|tail|middle|off: how /read fits a document longer than the context."""
+        v = value.lower()
+        choices = [t.value for t in Truncate]
+        if v not in (*choices, "off", "none"):
+            raise UsageError(f"truncate must be one of {', '.join(choices)} or off, got '{value}'")
+        self.state.session.truncate = None if v in ("off", "none") else v
+        self.ui.message(f"truncate = {self.state.session.truncate or 'off'}")
         return True
 
     def cmd_exit(self, arg: str) -> bool:
@@ -227,6 +268,15 @@ def _key_bindings() -> KeyBindings:
     @kb.add("escape", "enter")
     def _newline(event: KeyPressEvent) -> None:
         event.current_buffer.insert_text("\n")
+
+    @kb.add("c-c")
+    def _interrupt(event: KeyPressEvent) -> None:
+        # Ctrl-C clears a line being typed; on an empty line it leaves the chat
+        buf = event.current_buffer
+        if buf.text:
+            buf.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt())
 
     return kb
 
@@ -283,14 +333,37 @@ class LineReader:
             return "\n".join(lines)
 
 
-def run_repl(handler: CommandHandler, reader: PromptReader | LineReader) -> None:
-    """Read inputs until /exit or end of input. Ctrl-C at the prompt only clears the line."""
+def open_terminal() -> IO[str] | None:
+    """The controlling terminal for reading questions when stdin carried the document; None without one."""
+    try:
+        return open("/dev/tty", encoding="utf-8")  # noqa: SIM115 - held for the whole chat
+    except OSError:
+        return None
+
+
+def question_reader(stream: IO[str]) -> PromptReader | LineReader:
+    """A terminal (with stdout one too) gets the line editor; anything else is read line by line."""
+    if is_tty(stream) and is_tty(sys.stdout):
+        if stream.fileno() == 0:
+            return PromptReader()
+        from prompt_toolkit.input import create_input
+
+        return PromptReader(input=create_input(stdin=stream))
+    return LineReader(stream)
+
+
+def run_repl(handler: CommandHandler, reader: PromptReader | LineReader) -> int:
+    """Read inputs until /exit or end of input; return the exit code.
+
+    Ctrl-C while typing clears the line (the line editor does that itself); Ctrl-C at an empty prompt,
+    or whenever input is not a terminal, leaves cleanly with 130.
+    """
     while True:
         try:
             line = reader.read()
         except KeyboardInterrupt:
-            continue
+            return EXIT_INTERRUPTED
         except EOFError:
-            return
+            return 0
         if not handler.handle(line):
-            return
+            return 0

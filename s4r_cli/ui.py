@@ -87,17 +87,60 @@ def header_rows(loaded: Any, session: Any, ingest_seconds: float | None) -> list
     return rows
 
 
-def turn_stats_line(stats: Any) -> str:
-    """One line after each answer: latency, speeds, cache size and achieved ratio, peak memory."""
+def memory_size(n: float) -> str:
+    """Bytes in at most 9 characters: 31.8 MiB, 167 MiB, 1.2 GiB."""
+    if n >= 2**30:
+        return gib(n)
+    return f"{n / 2**20:.0f} MiB" if n >= 100 * 2**20 else mib(n)
+
+
+# the stats line stays within this many columns whatever the figures (a wrapped line reads as two)
+STATS_LINE_MAX = 110
+
+
+def turn_stats_line(stats: Any, width: int = STATS_LINE_MAX) -> str:
+    """One line after each answer: latency, speeds, cache size and achieved ratio, peak memory.
+
+    Parts are left out, least useful first (the prompt speed, then peak memory), until the line fits
+    ``width`` columns.
+    """
     mem = stats.memory
-    line = (f"TTFT {seconds(stats.ttft_s)}"
-            f" · prompt {stats.prompt_tokens:,} tok at {stats.prefill_tok_s:,.0f} tok/s"
-            f" · decode {stats.generated_tokens:,} tok at {stats.decode_tok_s:,.1f} tok/s"
-            f" · KV {mem.tokens:,} tok {mib(mem.stored_bytes)} (×{mem.ratio:.2f})"
-            f" · peak {mib(stats.peak_mem_bytes)}")
-    if stats.interrupted:
-        line += " · interrupted"
+    ttft = f"TTFT {seconds(stats.ttft_s)}"
+    parts = [f"answer {stats.generated_tokens:,} tok at {stats.decode_tok_s:,.1f} tok/s",
+             f"KV {mem.tokens:,} tok {memory_size(mem.stored_bytes)} ×{mem.ratio:.2f}"]
+    peak = [f"peak {memory_size(stats.peak_mem_bytes)}"]
+    tail = ["interrupted"] if stats.interrupted else []
+    candidates = [
+        [f"{ttft} (prompt {stats.prefill_tok_s:,.0f} tok/s)", *parts, *peak, *tail],
+        [ttft, *parts, *peak, *tail],
+        [ttft, *parts, *tail],
+    ]
+    for pieces in candidates:
+        line = " · ".join(pieces)
+        if len(line) <= width:
+            return line
     return line
+
+
+def stop_notice(stats: Any, *, in_repl: bool = False) -> str | None:
+    """One line saying why an answer stopped early (token limit, context limit, a loop), else None."""
+    reason = getattr(stats, "stop_reason", "end")
+    if reason == "max_new_tokens":
+        fix = "/set max_tokens N" if in_repl else "--max-new-tokens N"
+        return f"the answer stopped at the token limit ({stats.generated_tokens:,} tokens); {fix} raises it"
+    if reason == "context":
+        fix = ("/clear forgets the conversation" if in_repl
+               else "a shorter document or --truncate leaves more room")
+        return f"the answer stopped at the model's context limit (the context is full); {fix}"
+    if reason == "loop":
+        fix = "/set loop_guard off" if in_repl else "--no-loop-guard"
+        return f"stopped the answer: it started repeating itself ({fix} lets it run)"
+    return None
+
+
+def live_memory_line(memory: Any) -> str:
+    """The KV part of the live status while an answer streams."""
+    return f"KV {memory.tokens:,} tok {memory_size(memory.stored_bytes)} ×{memory.ratio:.2f}"
 
 
 class _TokensColumn(ProgressColumn):
@@ -118,10 +161,18 @@ class AnswerStream:
     Live area, so long answers scroll like ordinary output and the status never gets mixed into them.
     """
 
-    def __init__(self, console: Console | None, file: IO[str], *, live: bool):
+    # the live status re-reads the cache size at most this often (seconds)
+    MEMORY_EVERY = 0.25
+
+    def __init__(self, console: Console | None, file: IO[str], *, live: bool,
+                 memory: Callable[[], Any] | None = None):
         self.console = console
         self.file = file
         self.live_enabled = live and console is not None
+        # called from on_token (the decoding thread, between steps), never from the refresh thread
+        self.memory = memory
+        self.memory_text = ""
+        self._memory_at = 0.0
         self.pieces = 0
         self._last = ""
         self._partial = ""
@@ -144,7 +195,14 @@ class AnswerStream:
             return Text(f"thinking… {now - self._start:.1f} s", style="dim")
         # like the session's decode speed: tokens after the first, over the time since the first
         rate = (self.pieces - 1) / max(now - self._first, 1e-6)
-        return Text(f"generating… {self.pieces} tok · {rate:.1f} tok/s · Ctrl-C stops", style="dim")
+        kv = f" · {self.memory_text}" if self.memory_text else ""
+        return Text(f"generating… {self.pieces} tok · {rate:.1f} tok/s{kv} · Ctrl-C stops", style="dim")
+
+    def _update_memory(self) -> None:
+        now = time.perf_counter()
+        if self.memory is not None and now - self._memory_at >= self.MEMORY_EVERY:
+            self._memory_at = now
+            self.memory_text = live_memory_line(self.memory())
 
     def _render(self) -> Group:
         return Group(Text(self._partial), self._status())
@@ -155,6 +213,8 @@ class AnswerStream:
             self._first = time.perf_counter()
         self.pieces += 1
         self._last = piece
+        if self.live_enabled:
+            self._update_memory()
         if self._live is None:
             self.file.write(piece)
             self.file.flush()  # stream: the reader sees each piece as it is decoded
@@ -198,9 +258,12 @@ class UI:
         return cls(out=sys.stdout, info=err, progress=err if both_tty else None)
 
     @classmethod
-    def for_chat(cls) -> UI:
-        """A terminal gets one console for everything; otherwise answers on stdout, the rest on stderr."""
-        if is_tty(sys.stdin) and is_tty(sys.stdout):
+    def for_chat(cls, questions: IO[str] | None = None) -> UI:
+        """A terminal gets one console for everything; otherwise answers on stdout, the rest on stderr.
+
+        ``questions`` is where questions come from when it is not stdin (the terminal, when the document
+        was piped in)."""
+        if is_tty(questions if questions is not None else sys.stdin) and is_tty(sys.stdout):
             con = Console(highlight=False)
             return cls(out=sys.stdout, info=con, progress=con, live=True, answer_console=con)
         err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
@@ -250,9 +313,15 @@ class UI:
 
     # -- messages --------------------------------------------------------------------------------
 
-    def answer(self) -> AnswerStream:
-        """A context manager streaming one answer."""
-        return AnswerStream(self.answer_console, self.out, live=self.live)
+    def answer(self, memory: Callable[[], Any] | None = None) -> AnswerStream:
+        """A context manager streaming one answer; ``memory`` (e.g. ``session.memory``) feeds the live
+        KV size shown while it streams in a terminal."""
+        return AnswerStream(self.answer_console, self.out, live=self.live, memory=memory)
+
+    def notice(self, text: str) -> None:
+        """One line the user should not miss (truncation, an uncompressed cache, why an answer stopped);
+        on stderr unless this is an interactive chat."""
+        self.info.print(f"s4r: {text}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
     def message(self, text: str, style: str | None = None) -> None:
         """A line for the user (not an answer), e.g. 'saved cache to x'."""
@@ -278,8 +347,10 @@ class UI:
             self.info.print(f"{label}: {value}", markup=False, highlight=False)
 
     def turn_stats(self, stats: Any) -> None:
-        """The stats line after an answer."""
-        self.info.print(turn_stats_line(stats), style="dim", markup=False, highlight=False)
+        """The stats line after an answer (shortened to the terminal's width, never wrapped)."""
+        width = min(STATS_LINE_MAX, self.info.width) if self.info.is_terminal else STATS_LINE_MAX
+        self.info.print(turn_stats_line(stats, width), style="dim", markup=False, highlight=False,
+                        soft_wrap=True)
 
     def help(self, commands: Sequence[tuple[str, str]], footer: str) -> None:
         """The /help table."""

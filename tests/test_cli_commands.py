@@ -77,7 +77,7 @@ def test_ask_verbose_stats_on_stderr(book: Path, capsys: pytest.CaptureFixture[s
     out, err = capsys.readouterr()
     assert out == "The passphrase is blue-harbor-42.\n"
     assert "model: smollm2-135m" in err and "×4.80 achieved" in err
-    assert "TTFT" in err and "decode" in err and "peak" in err
+    assert "TTFT" in err and "answer 4 tok at 50.0 tok/s" in err and "peak" in err
 
 
 def test_ask_generation_options_reach_the_session(book: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,11 @@ Behaviour hooks (all by the text of the model spec or the question):
   model "fail/model" -> ModelLoadError;  model "slow/model" -> sleeps (touches $S4R_FAKE_MARKER first)
   --device cuda      -> DeviceError (no GPU, like this machine)
   a document over 2,000 words -> ContextTooLongError unless truncate is set
+  documents under 10 words with a compressing method -> kept uncompressed (method full)
+  --ratio above FAKE_MAX_RATIO -> never reachable
   question "BOOM"    -> RuntimeError (a bug);  "OVERFLOW" -> ContextTooLongError;
-  "LONG"             -> ~1 MB answer;  "INTERRUPT" -> Ctrl-C mid-answer;
+  "LONG"             -> 10,000 lines of 100 bytes (~1 MB, over any pipe's buffer) unless -n cuts it;
+  "LOOP"             -> an answer the loop guard stops;  "INTERRUPT" -> Ctrl-C mid-answer;
   "SLEEP"            -> answers slowly (touches $S4R_FAKE_MARKER), so a real SIGINT can be sent
   a question about the passphrase -> quotes the passphrase found in the documents
 """
@@ -37,6 +40,8 @@ REPO_ROOT = TESTS_DIR.parent
 FAKE_CONTEXT = 2000
 FAKE_METHODS = ("s4r", "full")
 FAKE_PROFILES = ("smollm2-135m", "tiny-test")
+FAKE_MAX_RATIO = 50.0
+FAKE_SHORT_WORDS = 10
 # Run the real CLI with the fakes installed: python -c FAKE_LAUNCHER ARGS...
 FAKE_LAUNCHER = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from tests import test_cli_fakes; "
                  "test_cli_fakes.install(); from s4r_cli.app import main; main()")
@@ -75,6 +80,7 @@ class FakeIngestStats:
     seconds: float
     prefill_seconds: float
     compress_seconds: float
+    dropped_tokens: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -91,6 +97,7 @@ class FakeTurnStats:
     peak_mem_bytes: int
     memory: FakeMemoryReport
     interrupted: bool = False
+    stop_reason: str = "end"
 
 
 def _touch_marker() -> None:
@@ -106,6 +113,7 @@ class FakeSession:
                  truncate: str | None = None, config_overrides: dict | None = None):
         self.loaded, self.method, self.ratio_requested = loaded, method, float(ratio)
         self.system, self.truncate, self.config_overrides = system, truncate, config_overrides
+        self.uncompressed_reason: str | None = None
         self.docs: list[str] = []
         self.turns: list[tuple[str, str]] = []
         self.calls: list[tuple[str, dict]] = []
@@ -116,18 +124,22 @@ class FakeSession:
 
     def ingest(self, text: str, *, name: str | None = None, progress: Any = None) -> FakeIngestStats:
         words = text.split()
+        total = len(words)
         limit = self.loaded.context_length
         if self.document_tokens + len(words) > limit:
             if self.truncate is None:
                 raise ContextTooLongError(self.document_tokens + len(words), limit)
             words = words[: limit - self.document_tokens]
+        if not self.docs and len(words) < FAKE_SHORT_WORDS and self.method != "full":
+            self.uncompressed_reason = f"{len(words)} tokens are too few for {self.method}"
+            self.method = "full"
         for done in range(0, len(words), 100):
             if progress:
                 progress(done, len(words))
         if progress:
             progress(len(words), len(words))
         self.docs.append(" ".join(words))
-        return FakeIngestStats(len(words), 0.5, 0.4, 0.1)
+        return FakeIngestStats(len(words), 0.5, 0.4, 0.1, total - len(words))
 
     def memory(self) -> FakeMemoryReport:
         tokens = self.document_tokens + sum(len(q.split()) + len(a.split()) for q, a in self.turns)
@@ -141,9 +153,11 @@ class FakeSession:
         return f"You asked: {question}"
 
     def ask(self, question: str, *, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-            seed: int | None = None, on_token: Any = None) -> tuple[str, FakeTurnStats]:
+            seed: int | None = None, on_token: Any = None, repeat_penalty: float = 1.0,
+            repeat_last_n: int = 64, loop_guard: bool = False) -> tuple[str, FakeTurnStats]:
         self.calls.append((question, {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                                      "top_p": top_p, "seed": seed}))
+                                      "top_p": top_p, "seed": seed, "repeat_penalty": repeat_penalty,
+                                      "repeat_last_n": repeat_last_n, "loop_guard": loop_guard}))
         if question == "BOOM":
             raise RuntimeError("fake bug")
         if question == "OVERFLOW":
@@ -152,6 +166,8 @@ class FakeSession:
         interrupted = False
         if question == "LONG":
             pieces = ["x" * 99 + "\n"] * 10_000
+        elif question == "LOOP":
+            pieces = ["again "] * (8 if loop_guard else 400)
         else:
             pieces = [w + " " for w in self._answer(question).split()]
             pieces[-1] = pieces[-1].rstrip()
@@ -168,11 +184,18 @@ class FakeSession:
                     time.sleep(0.5)
         except KeyboardInterrupt:
             interrupted = True
+        stop = "end"
+        if interrupted:
+            stop = "interrupted"
+        elif question == "LOOP" and loop_guard:
+            stop = "loop"
+        elif len(pieces) > max_new_tokens:
+            stop = "max_new_tokens"
         answer = "".join(out)
         self.turns.append((question, answer))
         stats = FakeTurnStats(prompt_tokens=len(question.split()) + 5, generated_tokens=len(out), ttft_s=0.05,
                               prefill_tok_s=1000.0, decode_tok_s=50.0, peak_mem_bytes=300 * 2**20,
-                              memory=self.memory(), interrupted=interrupted)
+                              memory=self.memory(), interrupted=interrupted, stop_reason=stop)
         return answer, stats
 
     def clear(self) -> None:
@@ -252,7 +275,20 @@ def fake_modules() -> dict[str, types.ModuleType]:
     profiles = types.ModuleType("s4r.profiles")
     profiles.list_profiles = lambda: [FakeProfile(n) for n in FAKE_PROFILES]
     profiles.profile_names = lambda: list(FAKE_PROFILES)
-    return {"s4r.loading": loading, "s4r.session": session, "s4r.profiles": profiles}
+    threads = types.ModuleType("s4r.threads")  # the real one imports torch (seconds per subprocess)
+    threads.apply_threads = fake_apply_threads
+    limits = types.ModuleType("s4r.ratio_limits")
+    limits.max_ratio = fake_max_ratio
+    return {"s4r.loading": loading, "s4r.session": session, "s4r.profiles": profiles, "s4r.threads": threads,
+            "s4r.ratio_limits": limits}
+
+
+def fake_apply_threads(requested: int | None, device_type: str = "cpu") -> int:
+    return requested or 1
+
+
+def fake_max_ratio(loaded: Any, method: str, overrides: dict | None = None) -> float:
+    return float("inf") if method == "full" else FAKE_MAX_RATIO
 
 
 def install() -> None:
@@ -279,6 +315,7 @@ def test_fake_session_matches_real_signatures() -> None:
         assert not missing, f"Session.{name} lacks {missing}"
     stats_fields = set(real.TurnStats.__dataclass_fields__)
     assert set(FakeTurnStats.__dataclass_fields__) <= stats_fields
+    assert set(FakeIngestStats.__dataclass_fields__) <= set(real.IngestStats.__dataclass_fields__)
     assert set(FakeMemoryReport.__dataclass_fields__) <= set(real.MemoryReport.__dataclass_fields__)
     assert set(FAKE_METHODS) <= set(real.METHODS)
 
@@ -287,6 +324,14 @@ def test_fake_loading_matches_real_signatures() -> None:
     real = pytest.importorskip("s4r.loading", reason="s4r.loading not written yet")
     assert _params(fake_load_model) <= _params(real.load_model)
     assert _params(fake_resolve_device) <= _params(real.resolve_device)
+
+
+def test_fake_threads_and_limits_match_real_signatures() -> None:
+    import s4r.ratio_limits
+    import s4r.threads
+
+    assert _params(fake_apply_threads) == _params(s4r.threads.apply_threads)
+    assert _params(fake_max_ratio) == _params(s4r.ratio_limits.max_ratio)
 
 
 def test_fake_profiles_match_real() -> None:

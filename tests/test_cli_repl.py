@@ -94,7 +94,8 @@ def test_set_valid_values_reach_the_session(chat: Chat) -> None:
     chat.type("/set temperature 0.7" + ENTER + "/set top_p 0.9" + ENTER + "/set max_tokens 3" + ENTER
               + "/set seed 7" + ENTER + "hi there" + ENTER)
     question, kwargs = chat.session.calls[-1]
-    assert kwargs == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "seed": 7}
+    assert kwargs == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "seed": 7,
+                      "repeat_penalty": 1.1, "repeat_last_n": 64, "loop_guard": True}
     chat.type("/set seed none" + ENTER)
     assert chat.state.settings.seed is None
 

@@ -1,0 +1,52 @@
+"""How many CPU threads torch gets: every command (chat, ask, bench) follows the same policy.
+
+torch's default (one thread per core) collapses when other jobs hold cores: its threads wait on one
+another at every operation. Measured on 2 cores beside one busy process: a 2.5k-token `ask` took 4 min
+48 s with 2 threads and 12 s with 1; a `bench --quick` run 23 min against 2 min. So, unless told
+otherwise, torch gets the cores the 1-minute load average leaves free, and at least one.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["auto_threads", "choose_threads", "apply_threads"]
+
+
+def auto_threads(cores: int | None = None, load: float | None = None) -> int | None:
+    """Threads for a CPU run when none were asked for: the cores other processes leave free (at least 1).
+
+    ``cores`` defaults to ``os.cpu_count()`` and ``load`` to the 1-minute load average. None (keep
+    torch's choice) when ``OMP_NUM_THREADS`` says what to use or the platform has no load average.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = cores or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):  # no load average on this platform (Windows)
+            return None
+    return max(1, min(cores, cores - round(load)))
+
+
+def choose_threads(requested: int | None, device_type: str = "cpu") -> int | None:
+    """The thread count to set: ``requested`` when given (--threads), else :func:`auto_threads` on CPU.
+
+    None means leave torch as it is (a GPU run, or OMP_NUM_THREADS set).
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be at least 1, got {requested}")
+        return requested
+    return auto_threads() if device_type == "cpu" else None
+
+
+def apply_threads(requested: int | None, device_type: str = "cpu") -> int:
+    """Set torch's intra-op threads by :func:`choose_threads`; return the count torch now uses."""
+    import torch  # lazy: callers decide threads before the slow imports where they can
+
+    n = choose_threads(requested, device_type)
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
