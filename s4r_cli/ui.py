@@ -114,6 +114,8 @@ def turn_stats_line(stats: Any, width: int = STATS_LINE_MAX) -> str:
         [f"{ttft} (prompt {stats.prefill_tok_s:,.0f} tok/s)", *parts, *peak, *tail],
         [ttft, *parts, *peak, *tail],
         [ttft, *parts, *tail],
+        [ttft, f"{stats.decode_tok_s:,.1f} tok/s", f"KV {memory_size(mem.stored_bytes)} ×{mem.ratio:.2f}",
+         *tail],
     ]
     for pieces in candidates:
         line = " · ".join(pieces)

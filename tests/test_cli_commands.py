@@ -198,6 +198,11 @@ def test_chat_with_piped_input(tmp_path: Path, book: Path) -> None:
     assert "\x1b[" not in out + err  # no colour or cursor codes when not a terminal
 
 
-def test_chat_refuses_stdin_document(book: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_chat_stdin_document_needs_a_terminal_for_questions(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`--file -` makes stdin the document; the questions must then come from a terminal."""
+    from s4r_cli import repl
+
+    monkeypatch.setattr(repl, "open_terminal", lambda: None)
     assert run(["chat", "-f", "-"]) == 2
-    assert "--file -" in capsys.readouterr().err
+    assert "no terminal to read questions from" in capsys.readouterr().err

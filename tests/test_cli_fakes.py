@@ -167,7 +167,7 @@ class FakeSession:
         if question == "LONG":
             pieces = ["x" * 99 + "\n"] * 10_000
         elif question == "LOOP":
-            pieces = ["again "] * (8 if loop_guard else 400)
+            pieces = ["again "] * (8 if loop_guard else 600)
         else:
             pieces = [w + " " for w in self._answer(question).split()]
             pieces[-1] = pieces[-1].rstrip()

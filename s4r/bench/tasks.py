@@ -625,7 +625,7 @@ def needle_sample(
     haystack: str = "book",
 ) -> Sample:
     """One single-needle sample: ``haystack`` is ``"book"`` (Pride and Prejudice), ``"noise"``,
-    or the stem of another shared book (e.g. ``"romeo-and-juliet"``). With ``"book"`` or
+    or the stem of another book (e.g. ``"romeo-and-juliet"``). With ``"book"`` or
     ``"noise"`` it equals ``make_sample`` of the matching ``niah_single_*`` task."""
     task = "niah_single_noise" if haystack == "noise" else "niah_single_book"
     # Same stream as make_sample for the built-in haystacks; other books get their own.

@@ -1,0 +1,94 @@
+"""The books shipped inside the package (nothing outside the repository is needed) and the thread policy."""
+
+from __future__ import annotations
+
+import lzma
+from pathlib import Path
+
+import pytest
+
+from s4r import books
+from s4r.bench import tasks
+from s4r.threads import auto_threads, choose_threads
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_books_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(books.BOOKS_ENV, raising=False)
+
+
+def test_books_ship_inside_the_package(no_books_dir: None) -> None:
+    names = [b.name for b in books.list_books()]
+    assert names == ["pride-and-prejudice", "romeo-and-juliet"]
+    for book in books.list_books():
+        assert book.shipped and book.path.parent == REPO_ROOT / "s4r" / "data"
+        assert book.path.name.endswith(".txt.xz")
+    text = books.read_book("pride-and-prejudice")
+    assert "It is a truth universally acknowledged" in text
+    assert "Project Gutenberg License" in text  # the license travels with the text
+    body = books.book_body("pride-and-prejudice")
+    assert body.startswith("[Illustration") or "PRIDE" in body[:2000].upper()
+    assert "*** START OF" not in body and "*** END OF" not in body
+
+
+def test_package_data_puts_the_books_in_a_wheel() -> None:
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    assert '"data/*.txt.xz"' in pyproject
+
+
+def test_bench_and_offline_read_the_shipped_books(no_books_dir: None) -> None:
+    tasks.load_book.cache_clear()
+    assert tasks.books_dir() == books.SHIPPED_DIR
+    assert "Romeo" in tasks.load_book("romeo-and-juliet")[:5000]
+
+
+def test_books_dir_adds_books_and_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "extra.txt").write_text("*** START OF X ***\nHello.\n*** END OF X ***\n")
+    with lzma.open(tmp_path / "romeo-and-juliet.txt.xz", "wt", encoding="utf-8") as f:
+        f.write("my own copy")
+    monkeypatch.setenv(books.BOOKS_ENV, str(tmp_path))
+    found = {b.name: b for b in books.list_books()}
+    assert set(found) == {"extra", "pride-and-prejudice", "romeo-and-juliet"}
+    assert not found["extra"].shipped and not found["romeo-and-juliet"].shipped
+    assert books.book_body("extra") == "Hello."
+    assert books.read_book("romeo-and-juliet") == "my own copy"
+
+
+def test_unknown_book_names_the_known_ones(no_books_dir: None) -> None:
+    with pytest.raises(books.BookNotFoundError, match="pride-and-prejudice, romeo-and-juliet"):
+        books.find_book("moby-dick")
+
+
+def test_nothing_needs_the_shared_folder() -> None:
+    """README, tests, package and CI must work on a clone with nothing beside it."""
+    offenders = []
+    for path in [REPO_ROOT / "README.md", REPO_ROOT / ".ci" / "run", *REPO_ROOT.glob("s4r/**/*.py"),
+                 *REPO_ROOT.glob("s4r_cli/*.py"), *REPO_ROOT.glob("tests/*.py")]:
+        if path.name == Path(__file__).name:
+            continue
+        if "shared/data" in path.read_text(encoding="utf-8"):
+            offenders.append(str(path.relative_to(REPO_ROOT)))
+    assert offenders == []
+
+
+# -- threads ---------------------------------------------------------------------------------------------
+
+def test_auto_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert auto_threads(cores=2, load=0.1) == 2  # a quiet machine uses its cores
+    assert auto_threads(cores=2, load=1.2) == 1  # one busy process: one thread, no spin-waiting
+    assert auto_threads(cores=2, load=7.0) == 1  # never fewer than one
+    assert auto_threads(cores=16, load=3.6) == 12
+
+
+def test_omp_num_threads_and_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert auto_threads(cores=8, load=0.0) is None
+    assert choose_threads(None) is None
+    assert choose_threads(5) == 5
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert choose_threads(None, "cuda") is None  # a GPU run leaves torch alone
+    with pytest.raises(ValueError):
+        choose_threads(0)
