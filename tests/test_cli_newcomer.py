@@ -191,7 +191,7 @@ def test_chat_without_a_terminal_subprocess(tmp_path: Path) -> None:
     """`cat doc | s4r chat` in a process without a controlling terminal (CI, cron): one line, exit 2."""
     env = {k: v for k, v in os.environ.items() if k != "S4R_DEBUG"}
     env.update({"S4R_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO_ROOT)})
-    # a new session has no controlling terminal, so /dev/tty cannot be opened (even under an interactive pytest)
+    # a new session has no controlling terminal: /dev/tty cannot be opened, even under an interactive pytest
     p = subprocess.run([sys.executable, "-c", FAKE_LAUNCHER, "chat"], input=DOC.encode(), capture_output=True,
                        env=env, cwd=tmp_path, timeout=60, check=False, start_new_session=True)
     result = subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
