@@ -436,7 +436,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
             ax.set_ylabel("accuracy (mean score over tasks and lengths)")
             ax.set_title("Accuracy against compression")
         else:
-            styles = ["-", "--", ":", "-."]
+            dashes = ["-", "--", ":", "-."]
             ratios = sorted({s["ratio"] for s in doc["speed"] if s["method"] != "full"})
             for method in methods:
                 for ratio in ([1.0] if method == "full" else ratios):
@@ -444,7 +444,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
                                  if s["method"] == method and s["ratio"] == ratio and s["decode_tok_s"])
                     if not pts:
                         continue
-                    style = "-" if method == "full" else styles[ratios.index(ratio) % len(styles)]
+                    style = "-" if method == "full" else dashes[ratios.index(ratio) % len(dashes)]
                     label = "full" if method == "full" else f"{method} ×{ratio:g}"
                     ax.plot(*zip(*pts, strict=True), linestyle=style, color=colors[method], label=label,
                             **styles[method])
