@@ -86,3 +86,29 @@ def repeating_period(ids: list[int], *, min_tokens: int = LOOP_MIN_TOKENS,
         if tail[period:] == tail[:-period]:  # shifting by one period changes nothing: periodic
             return period
     return 0
+
+
+# Near-loops vary a word now and then ("are both examples" / "is another example"), so a periodic check
+# misses them; a long span said again, or a shorter one said a third time, is the same loop.
+LOOP_LONG_SPAN = 16
+LOOP_SHORT_SPAN = 8
+
+
+def _occurrences(ids: list[int], span: list[int], end: int) -> int:
+    """How many times ``span`` occurs in ``ids[:end]``."""
+    n, first, count = len(span), span[0], 0
+    for i in range(end - n + 1):
+        if ids[i] == first and ids[i : i + n] == span:
+            count += 1
+    return count
+
+
+def loops(ids: list[int]) -> bool:
+    """Does the end of an answer repeat itself: a block repeated back to back (:func:`repeating_period`),
+    its last LOOP_LONG_SPAN tokens said before, or its last LOOP_SHORT_SPAN tokens said twice before?"""
+    if repeating_period(ids):
+        return True
+    n = len(ids)  # each count below includes the tail itself
+    if n >= 2 * LOOP_LONG_SPAN and _occurrences(ids, ids[n - LOOP_LONG_SPAN :], n) >= 2:
+        return True
+    return n >= 3 * LOOP_SHORT_SPAN and _occurrences(ids, ids[n - LOOP_SHORT_SPAN :], n) >= 3

@@ -2,7 +2,7 @@
 
 A short document may not pay for a method's fixed costs (sinks, bases, the new-token buffer), and the
 session then keeps it uncompressed. But some ratios cannot be reached at any length the model accepts
-(int8 coefficients and 5% exact outliers cap S4R near 17x on SmolLM2): those are refused before the
+(int8 coefficients and 5% exact outliers cap S4R near 15x on SmolLM2): those are refused before the
 document is read, instead of after a long ingest.
 """
 

@@ -16,7 +16,7 @@ from .budget import KVShape
 from .cache import S4RCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
-from .generation import apply_repetition_penalty, forward_tokens, prefill, repeating_period, sample_token
+from .generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
 from .memory import MemoryReport, peak_memory_bytes
 from .methods import METHODS, CompressContext, FullMethod, make_method
 from .persist import load_cache, read_header, save_cache
@@ -340,7 +340,7 @@ class Session:
                         emitted = text
                     tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
                     logits = forward_tokens(self.model, self.cache, tok, self.cache.logical_length())
-                    if loop_guard and repeating_period(generated):
+                    if loop_guard and loops(generated):
                         stop_reason = "loop"
                         break
         except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import torch
 
 from s4r.budget import KVShape
 from s4r.errors import BudgetError
-from s4r.generation import apply_repetition_penalty, repeating_period
+from s4r.generation import apply_repetition_penalty, loops, repeating_period
 from s4r.methods import make_method
 from s4r.ratio_limits import max_ratio, method_max_ratio
 from s4r.session import Session
@@ -68,6 +68,18 @@ def test_repeating_period_finds_back_to_back_blocks() -> None:
     assert repeating_period([5] * 48) == 1
     assert repeating_period([1, 2, 3] * 16) == 3
     assert repeating_period(sentence + [99] + sentence) == 0  # not back to back
+
+
+def test_loops_catches_near_repeats_and_leaves_prose_alone() -> None:
+    prose = list(range(200))
+    assert not loops(prose)
+    line = list(range(1000, 1020))  # a 20-token sentence
+    # said again with one word changed in between: not back to back, but its last 16 tokens recur
+    assert loops(line + [1] + line[:3] + [5] + line[4:])
+    assert not loops(line + [1] + line[:15])  # 15 tokens said again: not yet
+    phrase = list(range(2000, 2008))  # an 8-token phrase in three different sentences
+    assert not loops([1] + phrase + [2, 3] + phrase)
+    assert loops([1] + phrase + [2, 3] + phrase + [4, 5, 6] + phrase)
 
 
 def test_loop_guard_stops_a_looping_answer(loaded: SimpleNamespace) -> None:
