@@ -70,6 +70,15 @@ def seconds(s: float) -> str:
 
 # -- text built from library objects (shared by the rich and the plain renderings) --------------------------
 
+def _threads_note(loaded: Any) -> str:
+    """' · 2 threads' on CPU (what the thread policy chose); nothing on a GPU or before torch is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is None or not str(loaded.device).startswith("cpu"):
+        return ""
+    n = torch.get_num_threads()
+    return f" · {n} thread{'s' if n != 1 else ''}"
+
+
 def header_rows(loaded: Any, session: Any, ingest_seconds: float | None) -> list[tuple[str, str]]:
     """(label, value) rows describing the model and the cache; the ratio is the achieved one."""
     mem = session.memory()
@@ -77,7 +86,8 @@ def header_rows(loaded: Any, session: Any, ingest_seconds: float | None) -> list
     rows = [
         ("model", f"{loaded.name}" + (f"  ({loaded.source})" if getattr(loaded, "source", None) else "")),
         ("device", f"{loaded.device} · {short_dtype(loaded.dtype)}"
-         + (f" · {quant}" if quant != "none" else "") + f" · context {loaded.context_length:,} tokens"),
+         + (f" · {quant}" if quant != "none" else "") + f" · context {loaded.context_length:,} tokens"
+         + _threads_note(loaded)),
         ("method", method_label(session)),
         ("documents", f"{session.document_tokens:,} tokens"
          + (f", ingested in {seconds(ingest_seconds)}" if ingest_seconds else "")),

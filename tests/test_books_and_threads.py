@@ -9,6 +9,7 @@ import pytest
 
 from s4r import books
 from s4r.bench import tasks
+from s4r import threads
 from s4r.threads import auto_threads, choose_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,18 @@ def test_auto_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyPatch) -
     assert auto_threads(cores=2, load=1.2) == 1  # one busy process: one thread, no spin-waiting
     assert auto_threads(cores=2, load=7.0) == 1  # never fewer than one
     assert auto_threads(cores=16, load=3.6) == 12
+
+
+def test_a_job_just_started_counts_before_the_load_average_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One busy process started seconds ago: the load average still says ~0.2, the CPU use says 1."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.2, 0.1, 0.0))
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 50.0)
+    assert threads.busy_cores() == pytest.approx(1.0)
+    assert auto_threads() == 1
 
 
 def test_omp_num_threads_and_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
