@@ -344,7 +344,7 @@ def bench(
     dtype: DtypeOpt = Dtype.auto,
     threads: Annotated[int | None, typer.Option(
         "--threads", rich_help_panel=_RUN, show_default=False, min=1,
-        help="CPU threads for torch (default: the cores the 1-minute load average leaves free, at least 1; "
+        help="CPU threads for torch (default: the cores other processes leave free, at least 1; "
              "torch's own choice when OMP_NUM_THREADS is set). Too many threads on a busy machine can be "
              "ten times slower.")] = None,
     json_path: Annotated[str | None, typer.Option(

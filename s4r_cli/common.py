@@ -123,7 +123,7 @@ LoopGuardOpt = Annotated[bool, typer.Option(
     help="Stop an answer that starts repeating itself (and say so on stderr).")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", rich_help_panel=_MODEL, show_default=False, min=1,
-    help="CPU threads for torch (default: the cores the 1-minute load average leaves free, at least 1; "
+    help="CPU threads for torch (default: the cores other processes leave free, at least 1; "
          "torch's own choice when OMP_NUM_THREADS is set).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", rich_help_panel=_GEN, help="System prompt.")]
 FileOpt = Annotated[list[str] | None, typer.Option(
