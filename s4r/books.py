@@ -21,8 +21,8 @@ BOOKS_ENV = "S4R_BOOKS_DIR"
 SHIPPED_DIR = Path(__file__).resolve().parent / "data"
 SUFFIXES = (".txt.xz", ".txt")
 
-__all__ = ["BOOKS_ENV", "SHIPPED_DIR", "Book", "BookNotFoundError", "book_body", "find_book", "list_books",
-           "read_book", "strip_gutenberg"]
+__all__ = ["BOOKS_ENV", "SHIPPED_DIR", "Book", "BookNotFoundError", "book_body", "book_text", "find_book",
+           "list_books", "read_book", "strip_gutenberg"]
 
 
 class BookNotFoundError(S4RError):
@@ -104,5 +104,17 @@ def strip_gutenberg(text: str) -> str:
 
 
 def book_body(name: str) -> str:
-    """Book ``name`` without Gutenberg's header and footer: the text a reader (or a model) should see."""
+    """Book ``name`` without Gutenberg's header and footer (line breaks as in the file)."""
     return strip_gutenberg(read_book(name))
+
+
+@functools.lru_cache(maxsize=8)
+def book_text(name: str) -> str:
+    """Book ``name`` as clean prose, what a model should read: Gutenberg header and footer removed,
+    illustration captions dropped (layout residue), hard line wraps inside a paragraph made spaces,
+    paragraphs separated by one blank line."""
+    body = book_body(name)
+    # captions span blank lines (and may hold a bracketed copyright line): remove before splitting
+    body = re.sub(r"\[Illustration(?:[^\[\]]|\[[^\[\]]*\])*\]", "", body)
+    paragraphs = [" ".join(block.split()) for block in re.split(r"\n[ \t]*\n", body)]
+    return "\n\n".join(p for p in paragraphs if p)

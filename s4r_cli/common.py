@@ -132,7 +132,7 @@ FileOpt = Annotated[list[str] | None, typer.Option(
 BookOpt = Annotated[list[str] | None, typer.Option(
     "--book", "-b", rich_help_panel=_INPUT, show_default=False, metavar="NAME",
     help="A book shipped with s4r (`s4r books` lists them: pride-and-prejudice, romeo-and-juliet), read "
-         "without its Project Gutenberg header and license (repeatable).")]
+         "as clean prose: no Project Gutenberg header or license, no illustration captions (repeatable).")]
 LoadOpt = Annotated[str | None, typer.Option(
     "--load", rich_help_panel=_INPUT, show_default=False,
     help="Start from a cache saved with /save instead of reading documents.")]
@@ -371,12 +371,12 @@ def read_book_documents(names: Sequence[str]) -> list[Document]:
     """The shipped (or $S4R_BOOKS_DIR) books named by --book, without their Gutenberg header and license."""
     if not names:
         return []
-    from s4r.books import BookNotFoundError, book_body
+    from s4r.books import BookNotFoundError, book_text
 
     docs = []
     for name in names:
         try:
-            docs.append(Document(name=name, text=book_body(name)))
+            docs.append(Document(name=name, text=book_text(name)))
         except BookNotFoundError as e:
             raise UsageError(str(e)) from None
     return docs

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from s4r.books import BOOKS_ENV, SHIPPED_DIR, book_body
+from s4r.books import BOOKS_ENV, SHIPPED_DIR, book_text
 from s4r.books import strip_gutenberg as strip_gutenberg  # re-exported: moved to s4r.books
 from s4r.errors import S4RError as S4RError  # re-exported: what load_book raises
 
@@ -124,19 +124,9 @@ def books_dir() -> Path:
 @functools.lru_cache(maxsize=4)
 def load_book(name: str = DEFAULT_BOOK) -> str:
     """Load a book (shipped, or from ``$S4R_BOOKS_DIR``) as clean prose: Gutenberg header/footer
-    removed, paragraphs unwrapped.
-
-    Hard line wraps inside a paragraph become spaces (so needles can sit between sentences of
-    running text), paragraphs are separated by one blank line, and illustration captions (layout
-    residue, not prose) are dropped. ``name`` is the file stem, e.g. ``"romeo-and-juliet"``.
-    """
-    body = book_body(name)
-    # Illustration captions span blank lines (and may hold a bracketed copyright line), so they go
-    # before the text is cut into paragraphs.
-    body = re.sub(r"\[Illustration(?:[^\[\]]|\[[^\[\]]*\])*\]", "", body)
-    paragraphs = [" ".join(block.split()) for block in re.split(r"\n[ \t]*\n", body)]
-    paragraphs = [p for p in paragraphs if p]
-    return "\n\n".join(paragraphs)
+    removed, paragraphs unwrapped, illustration captions dropped (see :func:`s4r.books.book_text`).
+    ``name`` is the file stem, e.g. ``"romeo-and-juliet"``."""
+    return book_text(name)
 
 
 # A sentence: text up to a terminator (plus closing quotes/brackets), then its trailing whitespace.
