@@ -13,9 +13,17 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["auto_threads", "busy_cores", "choose_threads", "apply_threads"]
+__all__ = ["auto_threads", "busy_cores", "choose_threads", "apply_threads", "usable_cores"]
 
 SAMPLE_SECONDS = 0.2
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. under taskset or a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
 
 
 def busy_cores(sample_seconds: float = SAMPLE_SECONDS) -> float | None:
@@ -37,12 +45,12 @@ def busy_cores(sample_seconds: float = SAMPLE_SECONDS) -> float | None:
 def auto_threads(cores: int | None = None, load: float | None = None) -> int | None:
     """Threads for a CPU run when none were asked for: the cores other processes leave free (at least 1).
 
-    ``cores`` defaults to ``os.cpu_count()`` and ``load`` to :func:`busy_cores`. None (keep torch's
+    ``cores`` defaults to :func:`usable_cores` and ``load`` to :func:`busy_cores`. None (keep torch's
     choice) when ``OMP_NUM_THREADS`` says what to use or the machine's load cannot be read.
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     if load is None:
         load = busy_cores()
         if load is None:

@@ -90,9 +90,17 @@ def test_a_job_just_started_counts_before_the_load_average_does(
     psutil = pytest.importorskip("psutil")
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.2, 0.1, 0.0))
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 50.0)
     assert threads.busy_cores() == pytest.approx(1.0)
     assert auto_threads() == 1
+
+
+def test_usable_cores_follow_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `taskset -c 0,1` on a 16-core machine torch must not start 15 threads on 2 cores."""
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert threads.usable_cores() == 2
 
 
 def test_omp_num_threads_and_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
