@@ -55,7 +55,9 @@ def test_ask_file_finds_the_needle(smollm2: object, excerpt: Path, method: str) 
     word passphrase in a 3k-token excerpt is lost: SmolLM2's 192-wide KV leaves too little rank)."""
     p = s4r("ask", QUESTION, "--file", str(excerpt), "-n", MAX_NEW, "--method", method, "--ratio", "2.5")
     assert p.returncode == 0, p.stderr
-    assert p.stderr == ""  # only the answer, on stdout
+    # only the answer, on stdout; stderr at most says the answer reached -n
+    cut = f"s4r: the answer stopped at the token limit ({MAX_NEW} tokens); --max-new-tokens N raises it\n"
+    assert p.stderr in ("", cut)
     assert ANSWER in p.stdout, p.stdout
 
 

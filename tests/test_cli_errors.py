@@ -245,11 +245,13 @@ def _sigint_when_marked(args: list[str], tmp_path: Path) -> tuple[int, str, str]
     env = {**os.environ, "S4R_HOME": str(tmp_path / "home"), "S4R_FAKE_MARKER": str(marker)}
     proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCHER, *args], cwd=tmp_path, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
+    # generous waits: on a machine loaded tenfold, starting Python and importing typer and rich alone
+    # took over 30 s, and the SIGINT then came before the marker (the test timed out)
+    deadline = time.monotonic() + 180
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=120)
     return proc.returncode, out.decode(), err.decode()
 
 
