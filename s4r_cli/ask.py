@@ -13,7 +13,6 @@ from s4r_cli.common import (
     BookOpt,
     CommonArgs,
     DeviceOpt,
-    Document,
     Dtype,
     DtypeOpt,
     FileOpt,
@@ -38,14 +37,10 @@ from s4r_cli.common import (
     check_method,
     check_model_spec,
     common_args,
-    load_model,
-    open_session,
     pipe_guard,
-    read_book_documents,
-    read_document_stream,
-    read_documents,
-    stdin_bytes,
 )
+from s4r_cli.documents import Document, read_book_documents, read_document_stream, read_documents, stdin_bytes
+from s4r_cli.session_setup import load_model, open_session
 from s4r_cli.ui import UI, short_dtype, stop_notice
 
 EXIT_INTERRUPTED = 130

@@ -1,4 +1,5 @@
-"""Options shared by `s4r chat` and `s4r ask`, input reading/validation, and model/session setup.
+"""Options shared by `s4r chat` and `s4r ask` and their validation (documents: documents.py; model and
+session setup: session_setup.py).
 
 Everything a user can get wrong on the command line is checked here *before* the model is loaded, so
 bad input fails instantly with one line instead of after seconds of loading.
@@ -6,31 +7,24 @@ bad input fails instantly with one line instead of after seconds of loading.
 
 from __future__ import annotations
 
-import codecs
 import math
 import re
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 if TYPE_CHECKING:  # the library imports torch; keep `s4r --help` and input errors fast
-    from s4r.session import IngestStats, Session
-    from s4r_cli.ui import UI
+    pass
 
 DEFAULT_MODEL = "smollm2-135m"
-# Refuse bigger documents up front: even the longest-context models hold far less than this.
-MAX_DOCUMENT_BYTES = 256 * 1024 * 1024
 MAX_RATIO = 1000.0
 # mirrors s4r.loading.ROPE_SCALING_MAX (not imported: that module loads torch)
 MAX_ROPE_SCALING = 8.0
-# Enough to tell text from binary; the same window `grep` and `git` look at.
-BINARY_SNIFF_BYTES = 8192
 HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -283,118 +277,6 @@ def check_device(device: str) -> str:
     raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got '{device}'")
 
 
-# -- documents ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Document:
-    """A validated text document ready to ingest."""
-
-    name: str
-    text: str
-
-
-def decode_document(data: bytes, name: str) -> str:
-    """Bytes -> text, or UsageError naming what is wrong (empty, binary, not UTF-8)."""
-    if not data.strip():
-        raise UsageError(f"{name} is empty" if not data else f"{name} contains only whitespace")
-    # UTF-16 has NUL bytes by nature; with a BOM it is unambiguous, so accept it instead of calling it binary.
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        try:
-            text = data.decode("utf-16")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{name} starts with a UTF-16 mark but is not UTF-16 ({e.reason})") from None
-    else:
-        if b"\x00" in data[:BINARY_SNIFF_BYTES]:
-            raise UsageError(f"{name} looks like a binary file (NUL bytes in its first 8 KiB); pass text")
-        try:
-            text = data.decode("utf-8-sig")  # -sig: drop the BOM some editors (and Gutenberg) write
-        except UnicodeDecodeError as e:
-            src = "the input" if name == "<stdin>" else name
-            raise UsageError(
-                f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
-                f"convert it first, e.g. iconv -f latin1 -t utf-8 {src} > converted.txt") from None
-    text = text.replace("\r\n", "\n")
-    if not text.strip():
-        raise UsageError(f"{name} contains only whitespace")
-    return text
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def read_document_file(path: str) -> Document:
-    """Read and validate one document file; every failure is a one-line UsageError."""
-    p = Path(path).expanduser()
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise UsageError(f"file not found: {path}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    if p.is_dir():
-        raise UsageError(f"{path} is a directory, not a text file")
-    if st.st_size > MAX_DOCUMENT_BYTES:
-        raise UsageError(f"{path} is {_mib(st.st_size)}; the limit is {_mib(MAX_DOCUMENT_BYTES)} "
-                         "(pass an excerpt instead)")
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    return Document(name=path, text=decode_document(data, path))
-
-
-def read_document_stream(stream: IO[bytes], name: str = "<stdin>") -> Document:
-    """Read a document from a binary stream (stdin), refusing more than MAX_DOCUMENT_BYTES."""
-    data = stream.read(MAX_DOCUMENT_BYTES + 1)
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise UsageError(f"{name} is more than {_mib(MAX_DOCUMENT_BYTES)}; pass an excerpt instead")
-    if not data:
-        raise UsageError(f"{name} is empty; pipe a document in or pass --file FILE")
-    return Document(name=name, text=decode_document(data, name))
-
-
-def read_documents(files: Sequence[str], *, stdin: IO[bytes] | None = None) -> list[Document]:
-    """Read every --file (``-`` means stdin) in order. Validates all before returning any."""
-    docs = []
-    for f in files:
-        if f == "-":
-            if stdin is None:
-                raise UsageError("--file - needs a document on stdin")
-            docs.append(read_document_stream(stdin))
-        else:
-            docs.append(read_document_file(f))
-    return docs
-
-
-def read_book_documents(names: Sequence[str]) -> list[Document]:
-    """The shipped (or $S4R_BOOKS_DIR) books named by --book, without their Gutenberg header and license."""
-    if not names:
-        return []
-    from s4r.books import BookNotFoundError, book_text
-
-    docs = []
-    for name in names:
-        try:
-            docs.append(Document(name=name, text=book_text(name)))
-        except BookNotFoundError as e:
-            raise UsageError(str(e)) from None
-    return docs
-
-
-def stdin_bytes() -> IO[bytes] | None:
-    """Binary stdin when something is piped in, None when stdin is a terminal or closed."""
-    s = sys.stdin
-    if s is None or s.closed:
-        return None
-    try:
-        if s.isatty():
-            return None
-    except (OSError, ValueError):
-        return None
-    return s.buffer
-
-
 def check_cache_path(path: str) -> Path:
     """A --load / /load path must be an existing file (missing file: usage error; bad contents: exit 1)."""
     p = Path(path).expanduser()
@@ -518,101 +400,3 @@ def common_args(ctx: typer.Context, *, model: str, device: str, dtype: Dtype, qu
                       explicit=frozenset(explicit))
     args.validate()
     return args
-
-
-def load_model(args: CommonArgs, ui: UI) -> Any:
-    """Check the device, set the threads, then load the model with a progress display.
-
-    Returns the LoadedModel. A device that is not there (`--device cuda` without a GPU) is bad input:
-    UsageError, exit 2. With --rope-scaling, one warning line on stderr says how far the context reaches.
-    """
-    from s4r.errors import DeviceError
-    from s4r.loading import load_model as _load_model
-    from s4r.loading import resolve_device
-    from s4r.threads import apply_threads
-
-    try:
-        device = resolve_device(args.device)  # fail fast, before any download/IO
-    except DeviceError as e:
-        raise UsageError(error_message(e)) from None
-    apply_threads(args.threads, getattr(device, "type", str(device)))
-    with ui.loading(args.model) as progress:
-        loaded = _load_model(args.model, device=args.device, dtype=args.dtype.value, quant=args.quant.value,
-                             progress=progress, rope_scaling=args.rope_scaling)
-    if args.rope_scaling is not None:
-        sys.stderr.write(f"s4r: warning: RoPE scaling x{args.rope_scaling:g} extends the context to "
-                         f"{loaded.context_length:,} tokens; answer quality may drop\n")
-        sys.stderr.flush()
-    return loaded
-
-
-def ingest(session: Session, doc: Document, ui: UI, *, remedy: str = "--truncate") -> IngestStats:
-    """Add one document to the session with a progress bar; one line says what --truncate left out.
-
-    A document over the context is bad input (UsageError, exit 2); ``remedy`` names the way out where
-    the user is (``--truncate`` on the command line, ``/set truncate`` in the REPL).
-    """
-    from s4r.errors import ContextTooLongError
-
-    try:
-        with ui.ingesting(doc.name) as progress:
-            stats = session.ingest(doc.text, name=doc.name, progress=progress)
-    except ContextTooLongError as e:
-        raise UsageError(f"{doc.name} is too long: {e.tokens:,} tokens with the conversation, over the "
-                         f"model's context of {e.limit:,}; {remedy} head|tail|middle keeps the part that "
-                         "fits" + (", --rope-scaling FACTOR stretches the context (lower quality)"
-                                   if remedy == "--truncate" else "")) from None
-    dropped = getattr(stats, "dropped_tokens", 0)
-    if dropped:
-        kept = {"head": "kept its start", "tail": "kept its end",
-                "middle": "cut out its middle, kept both ends"}.get(str(session.truncate), "kept a part")
-        ui.notice(f"truncated {doc.name}: {dropped:,} of {dropped + stats.tokens:,} tokens left out to fit "
-                  f"the context ({session.truncate}: {kept})")
-    return stats
-
-
-def check_ratio_reachable(args: CommonArgs, loaded: Any) -> None:
-    """Refuse a --ratio the method can never reach on this model, before any document is read."""
-    if args.load or args.method == "full":
-        return
-    from s4r.ratio_limits import max_ratio
-
-    best = max_ratio(loaded, args.method)
-    if args.ratio > best:
-        context = int(loaded.context_length)
-        raise UsageError(f"--ratio {args.ratio:g} is never reachable with {args.method} on {loaded.name}: at "
-                         f"most ×{best:.1f}, even with a document filling the {context:,}-token context; "
-                         "use a lower --ratio")
-
-
-def open_session(args: CommonArgs, loaded: Any, docs: Sequence[Document],
-                 ui: UI) -> tuple[Session, float, int]:
-    """Create the session (fresh or from --load), ingest the documents.
-
-    Returns (session, ingest seconds, document tokens --truncate left out).
-
-    A ratio the method can never reach is refused first; a document too short for the ratio to pay for
-    itself is kept uncompressed, said in one line.
-    """
-    from s4r.session import Session
-
-    check_ratio_reachable(args, loaded)
-    if args.load:
-        session = Session.load(args.load, loaded, **args.session_kwargs(only_explicit=True))
-    else:
-        session = Session(loaded, **args.session_kwargs())
-    seconds, dropped = 0.0, 0
-    for doc in docs:
-        stats = ingest(session, doc, ui)
-        seconds += stats.seconds
-        dropped += getattr(stats, "dropped_tokens", 0)
-    if docs:
-        report_uncompressed(session, ui)
-    return session, seconds, dropped
-
-
-def report_uncompressed(session: Any, ui: UI) -> None:
-    """One line when the documents were kept uncompressed (too short for the ratio), and why."""
-    reason = getattr(session, "uncompressed_reason", None)
-    if reason:
-        ui.notice(f"kept the cache uncompressed (method full): {reason}, so compressing would not pay")

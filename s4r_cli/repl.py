@@ -32,11 +32,10 @@ from s4r_cli.common import (
     UsageError,
     check_cache_path,
     error_message,
-    ingest,
     method_label,
-    read_document_file,
-    report_uncompressed,
 )
+from s4r_cli.documents import read_document_file
+from s4r_cli.session_setup import ingest, report_uncompressed
 from s4r_cli.ui import UI, is_tty, mib, seconds, stop_notice, turn_stats_line
 
 EXIT_INTERRUPTED = 130

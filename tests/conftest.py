@@ -1,4 +1,4 @@
-"""Shared fixtures. Plain helpers (tiny_model, BOOKS) live in tests/helpers.py."""
+"""Shared fixtures. Plain helpers (tiny_model, CharTokenizer) live in tests/helpers.py."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""Shared test helpers: tiny random models and the sample books (shipped inside the package)."""
+"""Shared test helpers: tiny random models and a character-level stand-in tokenizer (books: s4r.books)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
-
-from s4r.books import read_book
-
-
-def book_file(name: str, folder: Path) -> Path:
-    """Write shipped book ``name`` (the whole Gutenberg file) to ``folder/NAME.txt``; for CLI runs that
-    need a plain file. Nothing outside the repository is read."""
-    path = folder / f"{name}.txt"
-    path.write_text(read_book(name), encoding="utf-8")
-    return path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
