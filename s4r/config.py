@@ -53,6 +53,10 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
+    # how stored tokens are scored for selection: "max" / "mean" aggregate every query's (and query
+    # head's) own attention probabilities over recent queries (weight halving every `query_window`
+    # queries); "summed" is the older proxy (window queries averaged, heads of a group summed)
+    scoring: Literal["max", "mean", "summed"] = "max"
 
     # new tokens stay in full precision until the buffer holds this many; older ones are folded into
     # coefficients with the existing bases (in batches of `fold_tokens`)
@@ -76,6 +80,8 @@ class S4RConfig:
             raise ValueError("recent_share must be in [0, 1]")
         if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:
             raise ValueError("recon_fraction must be in (0, 1]")
+        if self.scoring not in ("max", "mean", "summed"):
+            raise ValueError(f"scoring must be max, mean or summed, got {self.scoring!r}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError("pool_kernel must be a positive odd number")
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
@@ -88,7 +94,8 @@ class S4RConfig:
         size) takes the ShadowKV/xKV choice or ours."""
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
-                   outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None)
+                   outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
+                   scoring="summed")
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""

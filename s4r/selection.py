@@ -1,35 +1,69 @@
-"""Pure tensor functions of S4R's decode: latent-space scores, pooling and token selection."""
+"""Pure tensor functions of S4R's decode: which stored tokens to reconstruct (or attend in latent space).
+
+Two ways to score the stored tokens:
+- `relevance` (default): every query row's own attention probabilities over the stored tokens (one
+  softmax per query and query head, in latent space), aggregated over the heads of a KV group and over
+  recent queries with a decay. A token one query attends to sharply keeps a high score.
+- `summed`: the older, cheaper proxy: the window queries averaged into one query, the query heads of a
+  KV group summed, one latent dot product per token.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
+from .latent import latent_logits
 
-def latent_scores(coef_k: torch.Tensor, scale_k: torch.Tensor | None, q_lat: torch.Tensor,
+
+def latent_scores(coef_t: torch.Tensor, scale_k: torch.Tensor | None, q_lat: torch.Tensor,
                   kv_heads: int) -> torch.Tensor:
-    """Relevance logits [kv_heads, N] of every stored token, computed on coefficients only.
+    """`summed` scoring: relevance logits [kv_heads, N] of every stored token from one query per head.
 
-    coef_k: [G, N, r] (G = kv_heads for per-head bases, 1 for a layer basis); scale_k: int8 scales
-    [G, N, 1] or None; q_lat: [q_heads, r] query coefficients (each head projected on its KV head's
-    basis block). The query heads sharing a KV head are summed first (the logit of their sum is the sum
-    of their logits), so the cost is one [N, r] pass per KV head, in bf16 on int8 coefficients.
+    coef_t: [G, r, N] key coefficients, token axis last (G = kv_heads for per-head bases, 1 for a layer
+    basis); scale_k: int8 scales [G, N] or None; q_lat: [q_heads, r] query coefficients (each head
+    projected on its KV head's basis block). The query heads sharing a KV head are summed first (the
+    logit of their sum is the sum of their logits), so the cost is one [N, r] pass per KV head.
     """
-    groups = coef_k.shape[0]
     rank = q_lat.shape[-1]
-    q = q_lat.view(kv_heads, -1, rank).sum(dim=1)  # [H, r]
-    dtype = torch.bfloat16 if coef_k.dtype == torch.int8 else coef_k.dtype
-    c = coef_k.to(dtype)
-    if groups == 1:
-        logits = torch.matmul(q.to(dtype), c[0].t())  # [H, N]
-        scale = None if scale_k is None else scale_k[0, :, 0]
+    q = q_lat.reshape(kv_heads, -1, rank).sum(dim=1, keepdim=True)  # [H, 1, r]
+    return latent_logits(q, coef_t, scale_k, 1.0)[:, 0]
+
+
+def decay_factor(half_life: float) -> float:
+    """Per-query decay of the relevance aggregate: a query's weight halves every `half_life` queries."""
+    return 0.5 ** (1.0 / max(half_life, 1e-6))
+
+
+def update_relevance(previous: torch.Tensor | None, probs: torch.Tensor, decay: float,
+                     mode: str = "max") -> torch.Tensor:
+    """Aggregate per-query attention probabilities into per-KV-head log-relevance [H, N] (fp32).
+
+    probs: [H, n_rep, q, N], the attention probabilities of q new queries (in order) for each query
+    head of each KV group. `mode` "max": a token's relevance is the largest decayed probability any
+    query head of the group gave it (the older aggregate decays by `decay` per query); "mean": an
+    exponential moving average of the group-mean probability. `previous` [H, N'] is the log-relevance
+    so far (N' <= N; tokens added since start at -inf). Logs keep tiny probabilities apart in bf16.
+    """
+    heads, _, q, n = probs.shape
+    weights = decay ** torch.arange(q - 1, -1, -1, device=probs.device, dtype=torch.float32)
+    if mode == "max":
+        new = (probs.amax(dim=1) * weights.view(1, q, 1)).amax(dim=1).log_()
+    elif mode == "mean":
+        new = ((probs.mean(dim=1) * weights.view(1, q, 1)).sum(dim=1) * (1.0 - decay)).log_()
     else:
-        logits = torch.matmul(c, q.to(dtype).unsqueeze(-1)).squeeze(-1)  # [H, N]
-        scale = None if scale_k is None else scale_k[..., 0]
-    logits = logits.float()
-    if scale is not None:
-        logits = logits * scale.float()
-    return logits
+        raise ValueError(f"unknown relevance aggregation '{mode}' (max or mean)")
+    if previous is None:
+        return new
+    old = previous.float() + q * math.log(decay)
+    width = old.shape[-1]
+    if mode == "max":
+        new[:, :width] = torch.maximum(new[:, :width], old)
+    else:
+        new[:, :width] = torch.logaddexp(new[:, :width], old)
+    return new
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, mode: str = "max") -> torch.Tensor:
