@@ -61,7 +61,9 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
     coefs = groups * stored * (rank_k + rank_v) * coef_bytes(cfg.coef_dtype, b)
     scales = 2 * groups * stored * b if cfg.coef_dtype == "int8" else 0
     qwin = shape.q_heads * cfg.query_window * rank_k * b
-    if cfg.scoring != "summed":
+    if cfg.scoring == "query":
+        qwin = 0  # scores come from the current queries alone
+    elif cfg.scoring != "summed":
         # relevance scoring: the window queries seed a relevance per KV head and token, then go
         qwin = max(qwin, shape.kv_heads * stored * b)
     outliers = cfg.outlier_count(stored) * (shape.full_bytes_per_token() + 4)  # + an int32 index

@@ -53,10 +53,11 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
-    # how stored tokens are scored for selection: "max" / "mean" aggregate every query's (and query
-    # head's) own attention probabilities over recent queries (weight halving every `query_window`
-    # queries); "summed" is the older proxy (window queries averaged, heads of a group summed)
-    scoring: Literal["max", "mean", "summed"] = "max"
+    # how stored tokens are scored for selection, from each query's (and query head's) own attention
+    # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over
+    # recent queries too (weight halving every `query_window` queries; a relevance per KV head and
+    # token is stored); "summed" is the older proxy (window queries averaged, heads of a group summed)
+    scoring: Literal["query", "max", "mean", "summed"] = "max"
 
     # new tokens stay in full precision until the buffer holds this many; older ones are folded into
     # coefficients with the existing bases (in batches of `fold_tokens`)
@@ -80,8 +81,8 @@ class S4RConfig:
             raise ValueError("recent_share must be in [0, 1]")
         if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:
             raise ValueError("recon_fraction must be in (0, 1]")
-        if self.scoring not in ("max", "mean", "summed"):
-            raise ValueError(f"scoring must be max, mean or summed, got {self.scoring!r}")
+        if self.scoring not in ("query", "max", "mean", "summed"):
+            raise ValueError(f"scoring must be query, max, mean or summed, got {self.scoring!r}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError("pool_kernel must be a positive odd number")
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:

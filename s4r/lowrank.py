@@ -82,10 +82,12 @@ class LowRankLayer(S4RLayerBase):
         self._cv = coef_v.contiguous()  # [G, N, r_v]
         self._sk = None if scale_k is None else scale_k[..., 0].contiguous()  # [G, N]
         self._sv = None if scale_v is None else scale_v[..., 0].contiguous()
-        self.query_coef = query_coef  # [Hq, W, r_k]: the prompt's last queries, until they seed relevance
+        # [Hq, W, r_k]: the prompt's last queries, until they seed relevance (`query` scoring needs none)
+        self.query_coef = None if cfg.scoring == "query" else query_coef
         self._rel = None if relevance is None else relevance.contiguous()  # [H, N]
         self._decay = decay_factor(cfg.query_window)
         self._prompt_coefs = n  # where the prompt's last queries (query_coef) sat
+        self.selected: torch.Tensor | None = None  # [H, k] stored tokens the last step attended (inspection)
         self.logical = self.sinks + n
 
     # --- exact workspace: sinks | outliers | buffer -----------------------------------------------
@@ -158,7 +160,7 @@ class LowRankLayer(S4RLayerBase):
 
     @property
     def relevance(self) -> torch.Tensor | None:
-        """[H, N] log-relevance of every stored token (None before the first query or with `summed`)."""
+        """[H, N] relevance of every stored token (None unless `max`/`mean` scoring has seen a query)."""
         return None if self._rel is None else self._rel[:, : self._n]
 
     # --- sizes -----------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class LowRankLayer(S4RLayerBase):
             self._sk[:, n : n + m], self._sv[:, n : n + m] = sk[..., 0], sv[..., 0]
         if self._rel is not None:
             self._rel = grown(self._rel, 1, n, n + m)
-            self._rel[:, n : n + m] = float("-inf")  # not attended yet; the local window covers them
+            self._rel[:, n : n + m] = 0  # not attended yet; the local window covers them meanwhile
         self._n = n + m
 
     def _fold(self, n: int) -> None:
@@ -300,6 +302,7 @@ class LowRankLayer(S4RLayerBase):
         forced = max(0, self.cfg.local_window - self._n_buf)
         k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
         idx = select_tokens(scores, k, forced)
+        self.selected = idx
         if self.cfg.key_space == "pre_rope":
             return idx, self._rebuilt_key_logits(qf, idx, scaling)
         if full_logits is not None:
@@ -349,7 +352,8 @@ class LowRankLayer(S4RLayerBase):
         probs = torch.softmax(torch.cat([logits, others], dim=-1), dim=-1)[..., : logits.shape[-1]]
         probs = probs.view(self.heads, n_rep, window, -1)
         rel = update_relevance(self.relevance, probs, self._decay, self.cfg.scoring)
-        self._store_relevance(rel)
+        if self.cfg.scoring != "query":
+            self._store_relevance(rel)
         return rel, (logits if window == q_len else None)
 
     def _seed_relevance(self, coef_t, scale_k, scaling) -> None:

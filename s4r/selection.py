@@ -1,16 +1,15 @@
 """Pure tensor functions of S4R's decode: which stored tokens to reconstruct (or attend in latent space).
 
 Two ways to score the stored tokens:
-- `relevance` (default): every query row's own attention probabilities over the stored tokens (one
-  softmax per query and query head, in latent space), aggregated over the heads of a KV group and over
-  recent queries with a decay. A token one query attends to sharply keeps a high score.
+- relevance (`query`, `max`, `mean`): every query row's own attention probabilities over the stored
+  tokens (one softmax per query and query head, in latent space), aggregated over the heads of a KV
+  group, and for `max`/`mean` over recent queries with a decay. A token one query attends to sharply
+  keeps a high score.
 - `summed`: the older, cheaper proxy: the window queries averaged into one query, the query heads of a
   KV group summed, one latent dot product per token.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -39,30 +38,33 @@ def decay_factor(half_life: float) -> float:
 
 def update_relevance(previous: torch.Tensor | None, probs: torch.Tensor, decay: float,
                      mode: str = "max") -> torch.Tensor:
-    """Aggregate per-query attention probabilities into per-KV-head log-relevance [H, N] (fp32).
+    """Aggregate per-query attention probabilities into per-KV-head relevance [H, N] (fp32).
 
     probs: [H, n_rep, q, N], the attention probabilities of q new queries (in order) for each query
-    head of each KV group. `mode` "max": a token's relevance is the largest decayed probability any
-    query head of the group gave it (the older aggregate decays by `decay` per query); "mean": an
-    exponential moving average of the group-mean probability. `previous` [H, N'] is the log-relevance
-    so far (N' <= N; tokens added since start at -inf). Logs keep tiny probabilities apart in bf16.
+    head of each KV group. `mode` "query": the largest probability any head of the group gave the
+    token in this step's queries (no memory); "max": the same over recent queries too, each older
+    query's probability decayed by `decay` per query since; "mean": an exponential moving average of
+    the group-mean probability. `previous` [H, N'] is the relevance so far (N' <= N; tokens added since
+    count 0). Decay is multiplicative, so a model-dtype (bf16) store never stalls it.
     """
     heads, _, q, n = probs.shape
+    if mode == "query":
+        return probs.amax(dim=(1, 2))
     weights = decay ** torch.arange(q - 1, -1, -1, device=probs.device, dtype=torch.float32)
     if mode == "max":
-        new = (probs.amax(dim=1) * weights.view(1, q, 1)).amax(dim=1).log_()
+        new = (probs.amax(dim=1) * weights.view(1, q, 1)).amax(dim=1)
     elif mode == "mean":
-        new = ((probs.mean(dim=1) * weights.view(1, q, 1)).sum(dim=1) * (1.0 - decay)).log_()
+        new = (probs.mean(dim=1) * weights.view(1, q, 1)).sum(dim=1) * (1.0 - decay)
     else:
-        raise ValueError(f"unknown relevance aggregation '{mode}' (max or mean)")
+        raise ValueError(f"unknown relevance aggregation '{mode}' (query, max or mean)")
     if previous is None:
         return new
-    old = previous.float() + q * math.log(decay)
+    old = previous.float() * decay**q
     width = old.shape[-1]
     if mode == "max":
         new[:, :width] = torch.maximum(new[:, :width], old)
     else:
-        new[:, :width] = torch.logaddexp(new[:, :width], old)
+        new[:, :width] += old
     return new
 
 
