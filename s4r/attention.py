@@ -77,16 +77,17 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return unfold_heads(out, q_heads)
 
 
-def plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """What plain transformers runs (`DynamicCache` + sdpa): K/V repeated per query head, causal SDPA.
-    The speed benchmark's reference row; [B, Hq, q, d] like `causal_attention`."""
-    from transformers.integrations.sdpa_attention import repeat_kv
+class _Plain:
+    """Marks keys handed off by a plain transformers cache (see `handoff_plain`)."""
 
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_mask(
-        query.shape[-2], key.shape[-2], device=query.device), scale=scaling)
+
+PLAIN = _Plain()
+
+
+def handoff_plain(keys: torch.Tensor) -> None:
+    """Record that a plain transformers cache returned `keys`: its layer runs transformers' own sdpa
+    attention (K/V repeated per query head), the speed benchmark's reference row."""
+    handoff(PLAIN, keys)
 
 
 def s4r_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -94,6 +95,12 @@ def s4r_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer = getattr(_active, "layer", None)
+    if layer is PLAIN and getattr(_active, "keys", None) is key:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _active.layer = _active.keys = None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     if layer is not None and getattr(_active, "keys", None) is key:
         out = layer.attend(query, key, value, scaling)
     else:

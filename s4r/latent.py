@@ -99,13 +99,13 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
     e = exact_logits.shape[-1]
     probs = torch.softmax(torch.cat([exact_logits, sel_logits], dim=-1), dim=-1)
     p_exact, p_sel = probs[..., :e], probs[..., e:]
-    # the exact tokens are few: fp32, as SDPA accumulates; the selected value rows are many, so they
-    # are combined in the value basis' dtype (int8 rows cast once, no fp32 copy of them)
+    # fp32 except the one product over many selected rows (bf16 when the model is: the int8 rows are
+    # cast once, no fp32 copy); small bf16 matmuls cost more in call overhead than fp32 ones on CPU
     out = torch.matmul(p_exact, exact_v.float())
     if value_rows.shape[1]:
         if value_scale is not None:
             p_sel = p_sel * value_scale.float().unsqueeze(1)
         dtype = value_blocks.dtype
-        z = torch.matmul(p_sel.to(dtype), value_rows.to(dtype))  # [H, M, r_v]
-        out += torch.matmul(z, value_blocks.transpose(1, 2)).float()
+        z = torch.matmul(p_sel.to(dtype), value_rows.to(dtype)).float()  # [H, M, r_v]
+        out += torch.matmul(z, value_blocks.float().transpose(1, 2))
     return out

@@ -279,7 +279,7 @@ class LowRankLayer(S4RLayerBase):
             q = qf.view(self.heads, n_rep, q_len, -1)
             qf = undo_rope(q, cos, sin).reshape(qf.shape)
         kb = head_blocks(self.basis_k, self.heads)
-        return torch.matmul(qf.to(kb.dtype), kb)
+        return torch.matmul(qf.float(), kb.float())  # fp32: small, and the logits need the precision
 
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H, k] of the stored tokens to attend, and the queries' logits on them [H, rows, k]."""
