@@ -65,7 +65,7 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
         qwin = 0  # scores come from the current queries alone
     elif cfg.scoring != "summed":
         # relevance scoring: the window queries seed a relevance per KV head and token, then go
-        qwin = max(qwin, shape.kv_heads * stored * b)
+        qwin = max(qwin, (1 if cfg.shared_selection else shape.kv_heads) * stored * b)
     outliers = cfg.outlier_count(stored) * (shape.full_bytes_per_token() + 4)  # + an int32 index
     return sinks + bases + coefs + scales + qwin + outliers + buffer * shape.full_bytes_per_token()
 

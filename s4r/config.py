@@ -58,6 +58,9 @@ class S4RConfig:
     # recent queries too (weight halving every `query_window` queries; a relevance per KV head and
     # token is stored); "summed" is the older proxy (window queries averaged, heads of a group summed)
     scoring: Literal["query", "max", "mean", "summed"] = "max"
+    # one set of selected tokens for all KV heads of a layer (scored over all its query heads) rather
+    # than one per KV head: with a layer basis their coefficient rows are gathered once, not per head
+    shared_selection: bool = True
 
     # new tokens stay in full precision until the buffer holds this many; older ones are folded into
     # coefficients with the existing bases (in batches of `fold_tokens`)

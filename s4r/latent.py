@@ -93,7 +93,8 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
     """One softmax over exact and latent tokens; output [H, M, d] in fp32.
 
     exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
-    the selected latent tokens, whose value coefficients are `value_rows` [H, k, r_v] (scales [H, k]);
+    the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_v] (scales
+    [H or 1, k]; 1: the same tokens for every head);
     value_blocks [H, d, r_v] is each KV head's block of the value basis.
     """
     e = exact_logits.shape[-1]
@@ -106,6 +107,11 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
         if value_scale is not None:
             p_sel = p_sel * value_scale.float().unsqueeze(1)
         dtype = value_blocks.dtype
-        z = torch.matmul(p_sel.to(dtype), value_rows.to(dtype)).float()  # [H, M, r_v]
+        rows = value_rows.to(dtype)
+        if rows.shape[0] == 1:  # one token set for every head: a single [H*M, k] x [k, r_v] product
+            heads, m, k = p_sel.shape
+            z = torch.matmul(p_sel.reshape(heads * m, k).to(dtype), rows[0]).float().view(heads, m, -1)
+        else:
+            z = torch.matmul(p_sel.to(dtype), rows).float()  # [H, M, r_v]
         out += torch.matmul(z, value_blocks.float().transpose(1, 2))
     return out

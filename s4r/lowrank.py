@@ -282,7 +282,8 @@ class LowRankLayer(S4RLayerBase):
         return torch.matmul(qf.float(), kb.float())  # fp32: small, and the logits need the precision
 
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
-        """Indices [H, k] of the stored tokens to attend, and the queries' logits on them [H, rows, k]."""
+        """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
+        `shared_selection`), and the queries' logits on them [H, rows, k]."""
         n = self._n
         scale_k = None if self._sk is None else self._sk[:, :n]
         coef_t = self._ck[..., :n]
@@ -301,12 +302,15 @@ class LowRankLayer(S4RLayerBase):
             scores.index_fill_(1, self._out_long(), float("-inf"))
         forced = max(0, self.cfg.local_window - self._n_buf)
         k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
-        idx = select_tokens(scores, k, forced)
-        self.selected = idx
+        idx = select_tokens(scores, k, forced)  # [1, k] shared by every head, else [H, k]
+        self.selected = idx.expand(self.heads, -1)
+        if self._cv.shape[0] != 1:
+            idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
         if self.cfg.key_space == "pre_rope":
             return idx, self._rebuilt_key_logits(qf, idx, scaling)
         if full_logits is not None:
-            return idx, torch.gather(full_logits, 2, idx.unsqueeze(1).expand(-1, full_logits.shape[1], -1))
+            heads, rows, _ = full_logits.shape
+            return idx, torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
         return idx, gathered_logits(q_lat, coef_t, scale_k, idx, scaling)
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
@@ -329,7 +333,7 @@ class LowRankLayer(S4RLayerBase):
         scores = latent_scores(coef_t, scale_k, self.query_coef.float().mean(dim=1), self.heads)
         if self.cfg.pool == "avg":
             scores = torch.softmax(scores * scaling, dim=-1)
-        return scores
+        return scores.sum(dim=0, keepdim=True) if self.cfg.shared_selection else scores
 
     def _relevance_scores(self, q_lat, exact_logits, q_len, coef_t, scale_k, scaling):
         """Relevance [H, N] after this step's queries, and their logits on every stored token [H, rows, N]
@@ -350,7 +354,8 @@ class LowRankLayer(S4RLayerBase):
         # one softmax over the stored tokens and the other exact ones (logsumexp is far slower on CPU
         # for logits this spread out)
         probs = torch.softmax(torch.cat([logits, others], dim=-1), dim=-1)[..., : logits.shape[-1]]
-        probs = probs.view(self.heads, n_rep, window, -1)
+        groups = 1 if self.cfg.shared_selection else self.heads  # shared: every query head is one group
+        probs = probs.view(groups, -1, window, probs.shape[-1])
         rel = update_relevance(self.relevance, probs, self._decay, self.cfg.scoring)
         if self.cfg.scoring != "query":
             self._store_relevance(rel)
@@ -367,6 +372,8 @@ class LowRankLayer(S4RLayerBase):
         future = torch.arange(coef_t.shape[-1], device=logits.device).unsqueeze(0) > limit.unsqueeze(1)
         logits = logits.view(self.heads, n_rep, w, -1).masked_fill_(future, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if self.cfg.shared_selection:
+            probs = probs.view(1, -1, w, probs.shape[-1])
         self._store_relevance(update_relevance(None, probs, self._decay, self.cfg.scoring))
         self.query_coef = None
 
@@ -374,7 +381,7 @@ class LowRankLayer(S4RLayerBase):
         n = rel.shape[-1]
         if self._rel is None or self._rel.shape[-1] < n or (
                 self._rel.is_inference() and not torch.is_inference_mode_enabled()):
-            self._rel = rel.new_empty(self.heads, n + max(MIN_SPARE, n // 16), dtype=self.dtype)
+            self._rel = rel.new_empty(rel.shape[0], n + max(MIN_SPARE, n // 16), dtype=self.dtype)
         self._rel[:, :n] = rel
 
     def _out_long(self) -> torch.Tensor:

@@ -149,7 +149,8 @@ def _tokens(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m s4r.bench.decode_speed", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m s4r.bench.decode_speed",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--lengths", default="2k,4k,8k")
     parser.add_argument("--methods", default="s4r")
