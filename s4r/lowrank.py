@@ -401,9 +401,10 @@ class LowRankLayer(S4RLayerBase):
             keep = self.out_idx < keep_coef
             self.out_idx = self.out_idx[keep]
             out_k, out_v = out_k[:, keep], out_v[:, keep]
-        if keep_buf < self._n_buf or drop_out:
+        if drop_out:
             self._set_exact(self.sink_k.clone(), self.sink_v.clone(), _cloned(out_k), _cloned(out_v),
                             self.buf_k[:, :keep_buf].clone(), self.buf_v[:, :keep_buf].clone())
+        self._n_buf = min(self._n_buf, keep_buf)  # the workspace keeps its room
         if keep_coef < self._n:
             # copy so the dropped rows are freed, not kept alive behind a view
             self._ck = self._ck[..., :keep_coef].clone()
