@@ -50,13 +50,13 @@ def update_relevance(previous: torch.Tensor | None, probs: torch.Tensor, decay: 
     heads, _, q, n = probs.shape
     if mode == "query":
         return probs.amax(dim=(1, 2))
-    weights = decay ** torch.arange(q - 1, -1, -1, device=probs.device, dtype=torch.float32)
-    if mode == "max":
-        new = (probs.amax(dim=1) * weights.view(1, q, 1)).amax(dim=1)
-    elif mode == "mean":
-        new = (probs.mean(dim=1) * weights.view(1, q, 1)).sum(dim=1) * (1.0 - decay)
-    else:
+    if mode not in ("max", "mean"):
         raise ValueError(f"unknown relevance aggregation '{mode}' (query, max or mean)")
+    per_query = probs.amax(dim=1) if mode == "max" else probs.mean(dim=1)  # [H, q, N]
+    if q > 1:  # older queries of the chunk count less (a single query needs no weights)
+        weights = decay ** torch.arange(q - 1, -1, -1, device=probs.device, dtype=torch.float32)
+        per_query = per_query * weights.view(1, q, 1)
+    new = per_query.amax(dim=1) if mode == "max" else per_query.sum(dim=1) * (1.0 - decay)
     if previous is None:
         return new
     old = previous.float() * decay**q

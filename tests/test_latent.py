@@ -195,3 +195,20 @@ def test_a_chunk_of_queries_attends_causally_and_exactly_at_full_rank(scoring, q
         keys, values = torch.cat([keys, new_k[0]], dim=1), torch.cat([values, new_v[0]], dim=1)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     assert layer.stored_coefs > 200 - cfg.sinks
+
+
+def test_relevance_keeps_a_sharp_query_and_forgets_it_slowly():
+    from s4r.selection import decay_factor, update_relevance
+
+    decay = decay_factor(4)  # weight halves every 4 queries
+    sharp = torch.zeros(1, 2, 1, 5)
+    sharp[0, 1, 0, 2] = 0.9  # one head of the group attends token 2 sharply
+    flat = torch.full((1, 2, 1, 5), 0.2)
+    rel = update_relevance(None, sharp, decay, "max")
+    assert rel.argmax().item() == 2 and rel[0, 2].item() == pytest.approx(0.9)
+    for _ in range(4):
+        rel = update_relevance(rel, flat, decay, "max")
+    assert rel[0, 2].item() == pytest.approx(0.45, rel=1e-5)  # halved after 4 queries, still the top
+    assert update_relevance(rel, sharp, decay, "query")[0, 2].item() == pytest.approx(0.9)
+    mean = update_relevance(None, sharp, decay, "mean")
+    assert mean[0, 2].item() == pytest.approx(0.45 * (1 - decay))  # group mean, weighted 1 - decay
