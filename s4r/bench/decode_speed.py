@@ -2,6 +2,7 @@
 
     python -m s4r.bench.decode_speed --lengths 2k,4k,8k --ratios 2.5,5 --steps 32
     python -m s4r.bench.decode_speed --lengths 16k,32k --rope-scaling 4
+    python -m s4r.bench.decode_speed --device cuda --random-weights -m llama-3.1-8b-instruct --lengths 32k,64k
 
 One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
 (s4r's exact cache, grouped heads folded), each method at each ratio, and `transformers` (plain
@@ -151,7 +152,7 @@ def _tokens(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m s4r.bench.decode_speed",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", "-m", default="smollm2-135m")
     parser.add_argument("--lengths", default="2k,4k,8k")
     parser.add_argument("--methods", default="s4r")
     parser.add_argument("--ratios", default="2.5,5")
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rope-scaling", type=float, default=None)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the model's shape with random weights (timing only; no download)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from s4r.loading import load_model
 
     kwargs = {"rope_scaling": args.rope_scaling} if args.rope_scaling else {}
-    loaded = load_model(args.model, device=args.device, **kwargs)
+    loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, **kwargs)
     combos = [(m, r) for m in args.methods.split(",") for r in ratios]
     rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr))
     print(markdown(rows))
