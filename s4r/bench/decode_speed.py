@@ -73,6 +73,7 @@ class SpeedRow:
 
 def staged_cache(model, ids: list[int], chunk_size: int = 512) -> S4RCache:
     """The uncompressed cache of `ids` (with the last queries every method may need)."""
+    install(model)  # s4r attention: the staging layers record the last queries
     param = next(model.parameters())
     shape = KVShape.from_config(model.config, param.element_size())
     cache = S4RCache(shape.layers, shape, query_window=64)
