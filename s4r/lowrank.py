@@ -251,9 +251,10 @@ class LowRankLayer(S4RLayerBase):
         q_heads, q_len = query.shape[1], query.shape[2]
         heads, n_rep = self.heads, query.shape[1] // self.heads
         rows = n_rep * q_len
-        qf = query[0].reshape(heads, rows, self.head_dim)  # folded: row j*q + i = head j, position i
+        # folded (row j*q + i = head j, position i), fp32: the query is small, its logits need precision
+        qf = query[0].reshape(heads, rows, self.head_dim).float()
         e = self.exact_length
-        exact_logits = torch.matmul(qf.float(), self._ek[:, :e].float().transpose(1, 2)).mul_(scaling)
+        exact_logits = torch.matmul(qf, self._ek[:, :e].float().transpose(1, 2)).mul_(scaling)
         mask = causal_mask(q_len, e, e - self._n_buf, query.device)
         if mask is not None:
             exact_logits.masked_fill_(~mask.repeat(n_rep, 1), float("-inf"))
@@ -279,7 +280,7 @@ class LowRankLayer(S4RLayerBase):
             q = qf.view(self.heads, n_rep, q_len, -1)
             qf = undo_rope(q, cos, sin).reshape(qf.shape)
         kb = head_blocks(self.basis_k, self.heads)
-        return torch.matmul(qf.float(), kb.float())  # fp32: small, and the logits need the precision
+        return torch.matmul(qf, kb.float())
 
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
@@ -323,7 +324,7 @@ class LowRankLayer(S4RLayerBase):
         keys = torch.matmul(keys, kb.transpose(1, 2))
         cos, sin = self.rope(idx.reshape(-1) + self.sinks)
         keys = apply_rope(keys, cos.float().view(*idx.shape, -1), sin.float().view(*idx.shape, -1))
-        return torch.matmul(qf.float(), keys.transpose(1, 2)).mul_(scaling)
+        return torch.matmul(qf, keys.transpose(1, 2)).mul_(scaling)
 
     def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
         q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
