@@ -57,7 +57,7 @@ class S4RConfig:
     # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over
     # recent queries too (weight halving every `query_window` queries; a relevance per KV head and
     # token is stored); "summed" is the older proxy (window queries averaged, heads of a group summed)
-    scoring: Literal["query", "max", "mean", "summed"] = "max"
+    scoring: Literal["query", "max", "mean", "summed"] = "query"
     # one set of selected tokens for all KV heads of a layer (scored over all its query heads) rather
     # than one per KV head: with a layer basis their coefficient rows are gathered once, not per head
     shared_selection: bool = True
