@@ -212,3 +212,19 @@ def test_relevance_keeps_a_sharp_query_and_forgets_it_slowly():
     assert update_relevance(rel, sharp, decay, "query")[0, 2].item() == pytest.approx(0.9)
     mean = update_relevance(None, sharp, decay, "mean")
     assert mean[0, 2].item() == pytest.approx(0.45 * (1 - decay))  # group mean, weighted 1 - decay
+
+
+def test_the_cast_route_for_int8_coefficients_matches_the_int8_matmul(monkeypatch):
+    """GPUs cast int8 coefficients instead of `torch._int_mm` (CPU only): both routes agree."""
+    import s4r.latent
+
+    g = gen(11)
+    coef = torch.randint(-127, 128, (1, 48, 500), generator=g, dtype=torch.int8)
+    scale = torch.rand(1, 500, generator=g) / 100
+    q_lat = torch.randn(HEADS, GROUP, 48, generator=g)
+    fast = latent_logits(q_lat, coef, scale, 0.5)
+    monkeypatch.setattr(s4r.latent, "int8_matmul_available", lambda device: False)
+    cast = latent_logits(q_lat, coef, scale, 0.5)
+    exact = latent_logits(q_lat, coef.float(), scale, 0.5)
+    for got in (fast, cast):
+        assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
