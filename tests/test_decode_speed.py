@@ -45,3 +45,15 @@ def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
     assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (PLAIN, 3)]
     assert rows[0].vs_full == 1.0 and all(r.median_ms > 0 for r in rows)
     assert "| 900 | s4r 2.5 |" in markdown(rows)
+
+
+def test_layer_speed_times_every_kernel_on_one_layer():
+    from s4r.bench.layer_speed import layer_times
+    from s4r.budget import KVShape
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 900, 16, generator=g), torch.randn(3, 900, 16, generator=g)
+    queries = torch.randn(9, 32, 16, generator=g)
+    times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2)
+    assert sorted(times) == ["full", "s4r 2.5", "s4r 5", "transformers"]
+    assert all(ms > 0 for ms in times.values())
