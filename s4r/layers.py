@@ -135,16 +135,7 @@ def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
     return basis[0].view(heads, -1, basis.shape[-1])
 
 
-def gather_rows(coef: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows `idx` [H, k] of per-group coefficients [G, N, r] -> [H, k, r]."""
-    heads, k = idx.shape
-    if coef.shape[0] == heads:
-        return torch.gather(coef, 1, idx.unsqueeze(-1).expand(heads, k, coef.shape[-1]))
-    return coef[0].index_select(0, idx.reshape(-1)).view(heads, k, coef.shape[-1])
-
-
 # the S4R layer lives in its own module; imported last because it builds on the classes above
 from .lowrank import LowRankLayer  # noqa: E402
 
-__all__ = ["FullLayer", "LowRankLayer", "S4RLayerBase", "gather_rows", "head_blocks", "tensor_bytes",
-           "to_groups"]
+__all__ = ["FullLayer", "LowRankLayer", "S4RLayerBase", "head_blocks", "tensor_bytes", "to_groups"]
