@@ -16,6 +16,11 @@ import torch.nn.functional as F
 ATTN_NAME = "s4r"
 _active = threading.local()
 
+# Queries up to this length fold the query heads of a KV group into the query axis. SDPA with
+# `enable_gqa` takes a slow path on CPU for short queries (7x slower for one token in bf16); long
+# chunks (prefill) run as fast either way, and folding them would multiply the mask by the group size.
+FOLD_MAX_QUERY = 16
+
 
 def handoff(layer, keys: torch.Tensor) -> None:
     """Record that `layer` just returned `keys` from its update (same thread, same forward)."""
@@ -23,23 +28,66 @@ def handoff(layer, keys: torch.Tensor) -> None:
     _active.keys = keys
 
 
+def causal_mask(q_len: int, s_len: int, prefix: int | None = None,
+                device: torch.device | None = None) -> torch.Tensor | None:
+    """Boolean mask [q_len, s_len] (True = visible) where the last `q_len` keys are the queries' own
+    tokens (bottom-right causal alignment) and the first `prefix` keys are visible to every query
+    (defaults to all keys before the queries' own). None when every key is visible (one query)."""
+    if q_len <= 1:
+        return None
+    prefix = s_len - q_len if prefix is None else prefix
+    q_idx = torch.arange(q_len, device=device).unsqueeze(1)
+    k_idx = torch.arange(s_len - prefix, device=device).unsqueeze(0)
+    own = k_idx <= q_idx + (s_len - prefix - q_len)
+    return torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=device), own], dim=1)
+
+
+def fold_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, Hq, q, d] -> [B, H, (Hq/H)*q, d]: the query heads sharing a KV head as extra query rows
+    (row j*q + i is head j of the group at query position i)."""
+    b, hq, q, d = query.shape
+    return query.reshape(b, kv_heads, (hq // kv_heads) * q, d)
+
+
+def unfold_heads(out: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Inverse of `fold_heads`: [B, H, (Hq/H)*q, d] -> [B, Hq, q, d]."""
+    b, _, rows, d = out.shape
+    return out.reshape(b, q_heads, rows * out.shape[1] // q_heads, d)
+
+
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                      prefix: int | None = None) -> torch.Tensor:
-    """SDPA where the last `q` keys are the queries' own tokens (bottom-right causal alignment).
+    """Exact SDPA where the last `q` keys are the queries' own tokens (bottom-right causal alignment).
 
     `prefix` keys before the causal part are visible to every query (defaults to all older keys).
     query [B, Hq, q, d]; key/value [B, H, S, d] with H dividing Hq. Returns [B, Hq, q, d].
+    Short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem per KV
+    head, the same arithmetic as `enable_gqa` without its slow path.
     """
-    q_len, s_len = query.shape[-2], key.shape[-2]
-    mask = None
-    if q_len > 1:
-        prefix = s_len - q_len if prefix is None else prefix
-        q_idx = torch.arange(q_len, device=query.device).unsqueeze(1)
-        k_idx = torch.arange(s_len - prefix, device=query.device).unsqueeze(0)
-        own = k_idx <= q_idx + (s_len - prefix - q_len)
-        mask = torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=query.device), own], dim=1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                          enable_gqa=key.shape[1] != query.shape[1])
+    q_heads, q_len, s_len = query.shape[1], query.shape[-2], key.shape[-2]
+    kv_heads = key.shape[1]
+    mask = causal_mask(q_len, s_len, prefix, query.device)
+    if kv_heads == q_heads or q_len > FOLD_MAX_QUERY:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                              enable_gqa=kv_heads != q_heads)
+    if mask is not None:
+        mask = mask.repeat(q_heads // kv_heads, 1)  # row j*q + i is query position i
+    out = F.scaled_dot_product_attention(fold_heads(query, kv_heads), key, value, attn_mask=mask,
+                                         scale=scaling)
+    return unfold_heads(out, q_heads)
+
+
+class _Plain:
+    """Marks keys handed off by a plain transformers cache (see `handoff_plain`)."""
+
+
+PLAIN = _Plain()
+
+
+def handoff_plain(keys: torch.Tensor) -> None:
+    """Record that a plain transformers cache returned `keys`: its layer runs transformers' own sdpa
+    attention (K/V repeated per query head), the speed benchmark's reference row."""
+    handoff(PLAIN, keys)
 
 
 def s4r_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -47,6 +95,12 @@ def s4r_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer = getattr(_active, "layer", None)
+    if layer is PLAIN and getattr(_active, "keys", None) is key:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _active.layer = _active.keys = None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     if layer is not None and getattr(_active, "keys", None) is key:
         out = layer.attend(query, key, value, scaling)
     else:

@@ -52,7 +52,8 @@ def coef_bytes(coef_dtype: str, dtype_bytes: int) -> int:
 
 def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int, stored: int,
                         buffer: int) -> int:
-    """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), query window, outliers, buffer."""
+    """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), scoring state (query window or
+    relevance), outliers, buffer."""
     groups, width = group_shape(shape, cfg.granularity)
     b = shape.dtype_bytes
     sinks = cfg.sinks * shape.full_bytes_per_token()
@@ -60,6 +61,11 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
     coefs = groups * stored * (rank_k + rank_v) * coef_bytes(cfg.coef_dtype, b)
     scales = 2 * groups * stored * b if cfg.coef_dtype == "int8" else 0
     qwin = shape.q_heads * cfg.query_window * rank_k * b
+    if cfg.scoring == "query":
+        qwin = 0  # scores come from the current queries alone
+    elif cfg.scoring != "summed":
+        # relevance scoring: the window queries seed a relevance per KV head and token, then go
+        qwin = max(qwin, (1 if cfg.shared_selection else shape.kv_heads) * stored * b)
     outliers = cfg.outlier_count(stored) * (shape.full_bytes_per_token() + 4)  # + an int32 index
     return sinks + bases + coefs + scales + qwin + outliers + buffer * shape.full_bytes_per_token()
 

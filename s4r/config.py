@@ -53,6 +53,14 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
+    # how stored tokens are scored for selection, from each query's (and query head's) own attention
+    # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over
+    # recent queries too (weight halving every `query_window` queries; a relevance per KV head and
+    # token is stored); "summed" is the older proxy (window queries averaged, heads of a group summed)
+    scoring: Literal["query", "max", "mean", "summed"] = "query"
+    # one set of selected tokens for all KV heads of a layer (scored over all its query heads) rather
+    # than one per KV head: with a layer basis their coefficient rows are gathered once, not per head
+    shared_selection: bool = True
 
     # new tokens stay in full precision until the buffer holds this many; older ones are folded into
     # coefficients with the existing bases (in batches of `fold_tokens`)
@@ -76,6 +84,8 @@ class S4RConfig:
             raise ValueError("recent_share must be in [0, 1]")
         if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:
             raise ValueError("recon_fraction must be in (0, 1]")
+        if self.scoring not in ("query", "max", "mean", "summed"):
+            raise ValueError(f"scoring must be query, max, mean or summed, got {self.scoring!r}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError("pool_kernel must be a positive odd number")
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
@@ -88,7 +98,8 @@ class S4RConfig:
         size) takes the ShadowKV/xKV choice or ours."""
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
-                   outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None)
+                   outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
+                   scoring="summed")
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""

@@ -21,7 +21,7 @@ from .rope import RopeFn
 
 FORMAT = "s4r-cache/1"
 _LOWRANK_KEYS = ("sink_k", "sink_v", "basis_k", "basis_v", "coef_k", "coef_v", "scale_k", "scale_v",
-                 "query_coef", "buf_k", "buf_v", "out_idx", "out_k", "out_v")
+                 "query_coef", "buf_k", "buf_v", "out_idx", "out_k", "out_v", "relevance")
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -109,8 +109,7 @@ def load_cache(path: str | Path, cache: S4RCache, rope: RopeFn | None,
         else:
             layer = LowRankLayer(cfg=S4RConfig(**cfg), **{k: get(k) for k in _LOWRANK_KEYS if k not in
                                                          ("buf_k", "buf_v")}, rope=rope)
-            layer.buf_k, layer.buf_v = get("buf_k"), get("buf_v")
-            layer.logical = layer.stored_length()
+            layer.set_buffer(get("buf_k"), get("buf_v"))
         if layer.get_seq_length() != logical:
             raise CacheFileError(f"corrupt s4r cache file: {path} (layer {i} length mismatch)")
         cache.layers[i] = layer

@@ -1,35 +1,71 @@
-"""Pure tensor functions of S4R's decode: latent-space scores, pooling and token selection."""
+"""Pure tensor functions of S4R's decode: which stored tokens to reconstruct (or attend in latent space).
+
+Two ways to score the stored tokens:
+- relevance (`query`, `max`, `mean`): every query row's own attention probabilities over the stored
+  tokens (one softmax per query and query head, in latent space), aggregated over the heads of a KV
+  group, and for `max`/`mean` over recent queries with a decay. A token one query attends to sharply
+  keeps a high score.
+- `summed`: the older, cheaper proxy: the window queries averaged into one query, the query heads of a
+  KV group summed, one latent dot product per token.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .latent import latent_logits
 
-def latent_scores(coef_k: torch.Tensor, scale_k: torch.Tensor | None, q_lat: torch.Tensor,
+
+def latent_scores(coef_t: torch.Tensor, scale_k: torch.Tensor | None, q_lat: torch.Tensor,
                   kv_heads: int) -> torch.Tensor:
-    """Relevance logits [kv_heads, N] of every stored token, computed on coefficients only.
+    """`summed` scoring: relevance logits [kv_heads, N] of every stored token from one query per head.
 
-    coef_k: [G, N, r] (G = kv_heads for per-head bases, 1 for a layer basis); scale_k: int8 scales
-    [G, N, 1] or None; q_lat: [q_heads, r] query coefficients (each head projected on its KV head's
-    basis block). The query heads sharing a KV head are summed first (the logit of their sum is the sum
-    of their logits), so the cost is one [N, r] pass per KV head, in bf16 on int8 coefficients.
+    coef_t: [G, r, N] key coefficients, token axis last (G = kv_heads for per-head bases, 1 for a layer
+    basis); scale_k: int8 scales [G, N] or None; q_lat: [q_heads, r] query coefficients (each head
+    projected on its KV head's basis block). The query heads sharing a KV head are summed first (the
+    logit of their sum is the sum of their logits), so the cost is one [N, r] pass per KV head.
     """
-    groups = coef_k.shape[0]
     rank = q_lat.shape[-1]
-    q = q_lat.view(kv_heads, -1, rank).sum(dim=1)  # [H, r]
-    dtype = torch.bfloat16 if coef_k.dtype == torch.int8 else coef_k.dtype
-    c = coef_k.to(dtype)
-    if groups == 1:
-        logits = torch.matmul(q.to(dtype), c[0].t())  # [H, N]
-        scale = None if scale_k is None else scale_k[0, :, 0]
+    q = q_lat.reshape(kv_heads, -1, rank).sum(dim=1, keepdim=True)  # [H, 1, r]
+    return latent_logits(q, coef_t, scale_k, 1.0)[:, 0]
+
+
+def decay_factor(half_life: float) -> float:
+    """Per-query decay of the relevance aggregate: a query's weight halves every `half_life` queries."""
+    return 0.5 ** (1.0 / max(half_life, 1e-6))
+
+
+def update_relevance(previous: torch.Tensor | None, probs: torch.Tensor, decay: float,
+                     mode: str = "max") -> torch.Tensor:
+    """Aggregate per-query attention probabilities into per-KV-head relevance [H, N] (fp32).
+
+    probs: [H, n_rep, q, N], the attention probabilities of q new queries (in order) for each query
+    head of each KV group. `mode` "query": the largest probability any head of the group gave the
+    token in this step's queries (no memory); "max": the same over recent queries too, each older
+    query's probability decayed by `decay` per query since; "mean": an exponential moving average of
+    the group-mean probability. `previous` [H, N'] is the relevance so far (N' <= N; tokens added since
+    count 0). Decay is multiplicative, so a model-dtype (bf16) store never stalls it.
+    """
+    heads, _, q, n = probs.shape
+    if mode == "query":
+        return probs.amax(dim=(1, 2))
+    if mode not in ("max", "mean"):
+        raise ValueError(f"unknown relevance aggregation '{mode}' (query, max or mean)")
+    per_query = probs.amax(dim=1) if mode == "max" else probs.mean(dim=1)  # [H, q, N]
+    if q > 1:  # older queries of the chunk count less (a single query needs no weights)
+        weights = decay ** torch.arange(q - 1, -1, -1, device=probs.device, dtype=torch.float32)
+        per_query = per_query * weights.view(1, q, 1)
+    new = per_query.amax(dim=1) if mode == "max" else per_query.sum(dim=1) * (1.0 - decay)
+    if previous is None:
+        return new
+    old = previous.float() * decay**q
+    width = old.shape[-1]
+    if mode == "max":
+        new[:, :width] = torch.maximum(new[:, :width], old)
     else:
-        logits = torch.matmul(c, q.to(dtype).unsqueeze(-1)).squeeze(-1)  # [H, N]
-        scale = None if scale_k is None else scale_k[..., 0]
-    logits = logits.float()
-    if scale is not None:
-        logits = logits * scale.float()
-    return logits
+        new[:, :width] += old
+    return new
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, mode: str = "max") -> torch.Tensor:

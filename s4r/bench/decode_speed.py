@@ -1,0 +1,192 @@
+"""Decode-speed table: every method's decode step against the fastest exact full cache, side by side.
+
+    python -m s4r.bench.decode_speed --lengths 2k,4k,8k --ratios 2.5,5 --steps 32
+    python -m s4r.bench.decode_speed --lengths 16k,32k --rope-scaling 4
+    python -m s4r.bench.decode_speed --device cuda --random-weights -m llama-3.1-8b-instruct --lengths 32k,64k
+
+One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
+(s4r's exact cache, grouped heads folded), each method at each ratio, and `transformers` (plain
+`DynamicCache` + sdpa, what an unmodified model runs) for reference. All forks decode the same tokens
+one at a time in one interleaved loop (`teacher_force`), so a machine that speeds up or slows down
+affects every row alike; figures are median milliseconds per token and the ratio to `full`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from s4r.attention import handoff_plain, install
+from s4r.budget import KVShape
+from s4r.cache import S4RCache
+from s4r.generation import prefill
+from s4r.methods import CompressContext, make_method
+from s4r.rope import model_rope_fn
+
+from .speed import teacher_force
+
+PLAIN = "transformers"
+
+
+class PlainTransformersCache(DynamicCache):
+    """transformers' own `DynamicCache`, whose layers run transformers' sdpa attention even in a model
+    switched to s4r attention (the reference row of the speed table)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        handoff_plain(keys)
+        return keys, values
+
+    def logical_length(self) -> int:
+        return self.get_seq_length()
+
+
+@dataclass
+class Fork:
+    """What `teacher_force` steps: one model, one device, one cache."""
+
+    name: str
+    model: Any
+    device: torch.device
+    cache: Any
+    ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    """One method at one length."""
+
+    length: int
+    method: str
+    achieved_ratio: float
+    median_ms: float
+    vs_full: float
+    steps: int
+
+
+def staged_cache(model, ids: list[int], chunk_size: int = 512) -> S4RCache:
+    """The uncompressed cache of `ids` (with the last queries every method may need)."""
+    install(model)  # s4r attention: the staging layers record the last queries
+    param = next(model.parameters())
+    shape = KVShape.from_config(model.config, param.element_size())
+    cache = S4RCache(shape.layers, shape, query_window=64)
+    prefill(model, cache, torch.tensor(ids, device=param.device), 0, chunk_size)
+    return cache
+
+
+def plain_fork(model, staged: S4RCache) -> PlainTransformersCache:
+    """A `PlainTransformersCache` holding a copy of the staged keys and values."""
+    cache = PlainTransformersCache(config=model.config)
+    for i, layer in enumerate(staged.layers):
+        cache.update(layer.keys_view.clone(), layer.values_view.clone(), i)
+    return cache
+
+
+def make_forks(model, staged: S4RCache, combos: list[tuple[str, float]]) -> list[Fork]:
+    """`full`, each (method, ratio) and the plain transformers reference, each from a copy of `staged`."""
+    device = next(model.parameters()).device
+    rope = model_rope_fn(model)
+    forks = []
+    for name, ratio in [("full", 1.0), *combos]:
+        cache = staged.copy_staged()
+        make_method(name, ratio).compress(cache, CompressContext(rope, ratio))
+        forks.append(Fork(name if name == "full" else f"{name} {ratio:g}", model, device, cache, ratio))
+    forks.append(Fork(PLAIN, model, device, plain_fork(model, staged)))
+    return forks
+
+
+def book_ids(tokenizer, tokens: int) -> list[int]:
+    """`tokens` token ids of the default book, repeated past its end (timing needs no natural text)."""
+    from .tasks import load_book
+
+    ids = tokenizer.encode(load_book(), add_special_tokens=False)
+    return (ids * (tokens // len(ids) + 1))[:tokens]
+
+
+def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: int, warmup: int,
+            log=print) -> list[SpeedRow]:
+    """The speed table's rows: per length one prefill, the forks, one interleaved decode loop."""
+    model = loaded.model
+    install(model)
+    rows: list[SpeedRow] = []
+    for length in lengths:
+        ids = book_ids(loaded.tokenizer, length + steps + warmup)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            staged = staged_cache(model, ids[:length])
+            log(f"{length} tokens: prefill {time.perf_counter() - t0:.1f} s")
+            forks = make_forks(model, staged, combos)
+        del staged
+        timings = teacher_force(forks, ids[length:], warmup=warmup)
+        base = timings[0].median_ms
+        for fork, timing in zip(forks, timings, strict=True):
+            achieved = fork.cache.ratio() if isinstance(fork.cache, S4RCache) else 1.0
+            rows.append(SpeedRow(length, fork.name, achieved, timing.median_ms, base / timing.median_ms,
+                                 timing.steps))
+            log(f"  {fork.name:14s} {timing.median_ms:8.1f} ms/token  {base / timing.median_ms:5.2f}x full")
+        del forks
+    return rows
+
+
+def markdown(rows: list[SpeedRow]) -> str:
+    """The rows as a markdown table."""
+    lines = ["| length | method | achieved ratio | ms/token (median) | decode vs full | steps |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.length:,} | {r.method} | {r.achieved_ratio:.2f} | {r.median_ms:.1f} | "
+                     f"{r.vs_full:.2f}x | {r.steps} |")
+    return "\n".join(lines)
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m s4r.bench.decode_speed",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--model", "-m", default="smollm2-135m")
+    parser.add_argument("--lengths", default="2k,4k,8k")
+    parser.add_argument("--methods", default="s4r")
+    parser.add_argument("--ratios", default="2.5,5")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per fork")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rope-scaling", type=float, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the model's shape with random weights (timing only; no download)")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        lengths = [_tokens(x) for x in args.lengths.split(",")]
+        ratios = [float(x) for x in args.ratios.split(",")]
+    except ValueError:
+        print("error: --lengths like 2k,8k and --ratios like 2.5,5", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from s4r.loading import load_model
+
+    kwargs = {"rope_scaling": args.rope_scaling} if args.rope_scaling else {}
+    loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, **kwargs)
+    combos = [(m, r) for m in args.methods.split(",") for r in ratios]
+    rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr))
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "threads": torch.get_num_threads(), "device": str(loaded.device),
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Attention in the latent space of a low-rank cache: pure tensor functions, no model, no cache.
+
+With post-RoPE keys stored as coefficients `c` on a basis `B` (`k = B c`), a query's logit is
+`q . k = (B^T q) . c`: project the query once (`q_lat = B^T q`) and every stored token's logit is a dot
+product of rank r instead of head_dim, with no key rebuilt. Values likewise: `sum_t p_t v_t =
+B_v (sum_t p_t c_v,t)`, so the output is `(p . C_v[selected]) . B_v^T`. The tokens kept exactly (sinks,
+outliers, the buffer of new tokens) join the same softmax, so the result equals attention over the
+reconstructed tokens (bit for bit at full rank, up to float rounding).
+
+Shapes: H KV heads, M query rows per KV head (the group's query heads folded with the query positions,
+row j*q + i = head j, position i), N stored tokens, G basis groups (H per-head bases, or 1 layer basis).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def int8_matmul_available(device: torch.device) -> bool:
+    """Whether int8 x int8 -> int32 matmul is used on `device` (CPU; elsewhere coefficients are cast,
+    which GPUs do at memory speed, and `_int_mm`'s CUDA shape rules would need padding)."""
+    return device.type == "cpu" and hasattr(torch, "_int_mm")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a 2-D float tensor: (int8 [m, r], fp32 scale [m, 1])."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30).div_(127.0)
+    return x.div(scale).round_().to(torch.int8), scale  # |x / scale| <= 127 by construction
+
+
+def _matmul_rows(q2: torch.Tensor, coef_t: torch.Tensor, scaling: float) -> torch.Tensor:
+    """scaling * [m, r] x [r, N] -> fp32 [m, N]; int8 coefficients without a float copy of them where
+    possible (the query rounded to int8 per row, an int32 product, one rescale pass)."""
+    if coef_t.dtype != torch.int8:
+        return torch.matmul(q2.to(coef_t.dtype), coef_t).float().mul_(scaling)
+    if int8_matmul_available(coef_t.device):
+        q8, q_scale = quantize_rows(q2)
+        return torch.mul(torch._int_mm(q8, coef_t), q_scale.mul_(scaling))
+    dtype = q2.dtype if q2.dtype != torch.float32 else torch.bfloat16
+    return torch.matmul(q2.to(dtype), coef_t.to(dtype)).float().mul_(scaling)
+
+
+def latent_logits(q_lat: torch.Tensor, coef_t: torch.Tensor, scale: torch.Tensor | None,
+                  scaling: float) -> torch.Tensor:
+    """Attention logits [H, M, N] (fp32, times `scaling`) of query rows on every stored token.
+
+    q_lat: [H, M, r] query coefficients (each KV head's rows projected on its basis block);
+    coef_t: [G, r, N] key coefficients, token axis last (int8 or float); scale: [G, N] int8 scales or None.
+    """
+    heads, rows, rank = q_lat.shape
+    if coef_t.shape[0] == 1:
+        logits = _matmul_rows(q_lat.reshape(heads * rows, rank), coef_t[0], scaling).view(heads, rows, -1)
+    else:
+        logits = torch.stack([_matmul_rows(q_lat[h], coef_t[h], scaling) for h in range(heads)])
+    if scale is not None:
+        logits.mul_(scale.unsqueeze(1))  # bf16 scales promote into the fp32 logits in place
+    return logits
+
+
+def gathered_logits(q_lat: torch.Tensor, coef_t: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """Logits [H, M, k] of query rows on the tokens `idx` [H, k] only (for long query chunks, where the
+    logits of every token would cost more than gathering the selected coefficients)."""
+    heads, k = idx.shape
+    if coef_t.shape[0] == 1:
+        cols = coef_t[0].index_select(1, idx.reshape(-1)).view(coef_t.shape[1], heads, k).transpose(0, 1)
+        sc = None if scale is None else scale[0].index_select(0, idx.reshape(-1)).view(heads, k)
+    else:
+        cols = torch.gather(coef_t, 2, idx.unsqueeze(1).expand(heads, coef_t.shape[1], k))
+        sc = None if scale is None else torch.gather(scale, 1, idx)
+    dtype = q_lat.dtype
+    logits = torch.matmul(q_lat, cols.to(dtype)).float()
+    if sc is not None:
+        logits.mul_(sc.float().unsqueeze(1))
+    return logits.mul_(scaling)
+
+
+def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
+                      idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Value coefficient rows [H, k, r_v] (still int8 if stored so) and their scales [H, k] of tokens
+    `idx` [H, k]; coef_v [G, N, r_v], scale_v [G, N] or None."""
+    heads, k = idx.shape
+    if coef_v.shape[0] == 1:
+        rows = coef_v[0].index_select(0, idx.reshape(-1)).view(heads, k, coef_v.shape[-1])
+        sc = None if scale_v is None else scale_v[0].index_select(0, idx.reshape(-1)).view(heads, k)
+        return rows, sc
+    rows = torch.gather(coef_v, 1, idx.unsqueeze(-1).expand(heads, k, coef_v.shape[-1]))
+    return rows, None if scale_v is None else torch.gather(scale_v, 1, idx)
+
+
+def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
+                     value_rows: torch.Tensor, value_scale: torch.Tensor | None,
+                     value_blocks: torch.Tensor) -> torch.Tensor:
+    """One softmax over exact and latent tokens; output [H, M, d] in fp32.
+
+    exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
+    the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_v] (scales
+    [H or 1, k]; 1: the same tokens for every head);
+    value_blocks [H, d, r_v] is each KV head's block of the value basis.
+    """
+    e = exact_logits.shape[-1]
+    probs = torch.softmax(torch.cat([exact_logits, sel_logits], dim=-1), dim=-1)
+    p_exact, p_sel = probs[..., :e], probs[..., e:]
+    # fp32 except the one product over many selected rows (bf16 when the model is: the int8 rows are
+    # cast once, no fp32 copy); small bf16 matmuls cost more in call overhead than fp32 ones on CPU
+    out = torch.matmul(p_exact, exact_v.float())
+    if value_rows.shape[1]:
+        if value_scale is not None:
+            p_sel = p_sel * value_scale.float().unsqueeze(1)
+        dtype = value_blocks.dtype
+        rows = value_rows.to(dtype)
+        if rows.shape[0] == 1:  # one token set for every head: a single [H*M, k] x [k, r_v] product
+            heads, m, k = p_sel.shape
+            z = torch.matmul(p_sel.reshape(heads * m, k).to(dtype), rows[0]).float().view(heads, m, -1)
+        else:
+            z = torch.matmul(p_sel.to(dtype), rows).float()  # [H, M, r_v]
+        out += torch.matmul(z, value_blocks.float().transpose(1, 2))
+    return out

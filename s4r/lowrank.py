@@ -1,0 +1,418 @@
+"""`LowRankLayer`: S4R storage of one layer and its decode step.
+
+Storage, all grown by capacity (appending never copies what is stored, except when a capacity doubles):
+- one exact workspace per keys and values, [H, cap, d]: sinks | outliers | buffer of new tokens, so the
+  tokens attended exactly are one view, never concatenated per step;
+- key coefficients with the token axis last, [G, r_k, cap] (what the latent logits multiply), value
+  coefficients [G, cap, r_v] (what the selected rows are gathered from), int8 scales [G, cap];
+- the per-KV-head relevance of every stored token [H, cap] (or, for `summed` scoring, the recent
+  queries' coefficients).
+
+Decode (post-RoPE keys): the query is projected on the key basis once; its logits on every stored
+token come from the coefficients (`latent.latent_logits`), which both score the tokens and give the
+attention logits of the selected ones; values are combined in latent space. Pre-RoPE keys are
+reconstructed and rotated for the selected tokens (their latent dot products ignore the rotation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import causal_mask, handoff
+from .config import S4RConfig
+from .latent import gather_value_rows, gathered_logits, latent_logits, merged_attention
+from .layers import S4RLayerBase, head_blocks, tensor_bytes, to_groups
+from .rope import RopeFn, apply_rope, undo_rope
+from .selection import decay_factor, latent_scores, pool_scores, select_tokens, update_relevance
+from .subspace import project, quantize_int8
+
+# spare token slots when a store grows: the larger of this and 1/16 of what it holds
+MIN_SPARE = 64
+
+
+def grown(t: torch.Tensor, dim: int, used: int, need: int) -> torch.Tensor:
+    """`t` if its `dim` holds `need` slots, else a larger copy (first `used` slots kept, spare added).
+
+    Also copies a tensor made under inference mode when written outside it (e.g. `generate` after a
+    compression in `inference_mode`), which torch forbids updating in place."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        t = t.clone()
+    if t.shape[dim] >= need:
+        return t
+    shape = list(t.shape)
+    shape[dim] = need + max(MIN_SPARE, need // 16)
+    bigger = t.new_empty(shape)
+    bigger.narrow(dim, 0, used).copy_(t.narrow(dim, 0, used))
+    return bigger
+
+
+def _cloned(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+class LowRankLayer(S4RLayerBase):
+    """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
+    the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
+
+    Positions are implicit: sinks 0..s-1, coefficients s..s+N-1, buffer after them. The constructor
+    takes the parts as `compress_layer` produces them (coef [G, N, r], scales [G, N, 1]).
+    """
+
+    def __init__(self, *, cfg: S4RConfig, sink_k: torch.Tensor, sink_v: torch.Tensor, basis_k: torch.Tensor,
+                 basis_v: torch.Tensor, coef_k: torch.Tensor, coef_v: torch.Tensor,
+                 scale_k: torch.Tensor | None, scale_v: torch.Tensor | None, query_coef: torch.Tensor | None,
+                 rope: RopeFn | None, out_idx: torch.Tensor | None = None,
+                 out_k: torch.Tensor | None = None, out_v: torch.Tensor | None = None,
+                 relevance: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rope = rope
+        if cfg.key_space == "pre_rope" and rope is None:
+            raise ValueError("pre-RoPE keys need the model's rotary embedding")
+        self.heads, self.sinks, self.head_dim = sink_k.shape
+        self.dtype = sink_k.dtype
+        self.basis_k, self.basis_v = basis_k, basis_v  # [G, width, r]
+        self.out_idx = out_idx  # [o] int32 indices into the coefficients, or None
+        self._set_exact(sink_k, sink_v, out_k, out_v, sink_k[:, :0], sink_v[:, :0])
+        n = coef_k.shape[1]
+        self._n = n
+        self._ck = coef_k.transpose(1, 2).contiguous()  # [G, r_k, N]
+        self._cv = coef_v.contiguous()  # [G, N, r_v]
+        self._sk = None if scale_k is None else scale_k[..., 0].contiguous()  # [G, N]
+        self._sv = None if scale_v is None else scale_v[..., 0].contiguous()
+        # [Hq, W, r_k]: the prompt's last queries, until they seed relevance (`query` scoring needs none)
+        self.query_coef = None if cfg.scoring == "query" else query_coef
+        self._rel = None if relevance is None else relevance.contiguous()  # [H, N]
+        self._decay = decay_factor(cfg.query_window)
+        self._prompt_coefs = n  # where the prompt's last queries (query_coef) sat
+        self.selected: torch.Tensor | None = None  # [H, k] stored tokens the last step attended (inspection)
+        self.logical = self.sinks + n
+
+    # --- exact workspace: sinks | outliers | buffer -----------------------------------------------
+    def _set_exact(self, sink_k, sink_v, out_k, out_v, buf_k, buf_v) -> None:
+        parts_k = [sink_k] + ([] if out_k is None else [out_k]) + [buf_k]
+        parts_v = [sink_v] + ([] if out_v is None else [out_v]) + [buf_v]
+        self._n_out = 0 if out_k is None else out_k.shape[1]
+        self._n_buf = buf_k.shape[1]
+        used = self.sinks + self._n_out + self._n_buf
+        cap = used + self.cfg.buffer_tokens  # the buffer's room, which the rank budget counts full
+        self._ek = sink_k.new_empty(self.heads, cap, self.head_dim)
+        self._ev = sink_v.new_empty(self.heads, cap, self.head_dim)
+        at = 0
+        for pk, pv in zip(parts_k, parts_v, strict=True):
+            self._ek[:, at : at + pk.shape[1]] = pk
+            self._ev[:, at : at + pv.shape[1]] = pv
+            at += pk.shape[1]
+
+    @property
+    def exact_length(self) -> int:
+        return self.sinks + self._n_out + self._n_buf
+
+    @property
+    def sink_k(self) -> torch.Tensor:
+        return self._ek[:, : self.sinks]
+
+    @property
+    def sink_v(self) -> torch.Tensor:
+        return self._ev[:, : self.sinks]
+
+    @property
+    def out_k(self) -> torch.Tensor | None:
+        return None if self.out_idx is None else self._ek[:, self.sinks : self.sinks + self._n_out]
+
+    @property
+    def out_v(self) -> torch.Tensor | None:
+        return None if self.out_idx is None else self._ev[:, self.sinks : self.sinks + self._n_out]
+
+    @property
+    def buf_k(self) -> torch.Tensor:
+        return self._ek[:, self.sinks + self._n_out : self.exact_length]
+
+    @property
+    def buf_v(self) -> torch.Tensor:
+        return self._ev[:, self.sinks + self._n_out : self.exact_length]
+
+    def set_buffer(self, buf_k: torch.Tensor, buf_v: torch.Tensor) -> None:
+        """Replace the buffer of new tokens (a loaded cache) and recount the logical length."""
+        self._set_exact(self.sink_k.clone(), self.sink_v.clone(), _cloned(self.out_k), _cloned(self.out_v),
+                        buf_k, buf_v)
+        self.logical = self.stored_length()
+
+    # --- coefficient views (what persist and the budget see) --------------------------------------
+    @property
+    def coef_k(self) -> torch.Tensor:
+        """[G, N, r_k] (a transposed view of the token-last storage)."""
+        return self._ck[..., : self._n].transpose(1, 2)
+
+    @property
+    def coef_v(self) -> torch.Tensor:
+        return self._cv[:, : self._n]
+
+    @property
+    def scale_k(self) -> torch.Tensor | None:
+        return None if self._sk is None else self._sk[:, : self._n].unsqueeze(-1)
+
+    @property
+    def scale_v(self) -> torch.Tensor | None:
+        return None if self._sv is None else self._sv[:, : self._n].unsqueeze(-1)
+
+    @property
+    def relevance(self) -> torch.Tensor | None:
+        """[H, N] relevance of every stored token (None unless `max`/`mean` scoring has seen a query)."""
+        return None if self._rel is None else self._rel[:, : self._n]
+
+    # --- sizes -----------------------------------------------------------------------------------
+    @property
+    def stored_coefs(self) -> int:
+        return self._n
+
+    def stored_length(self) -> int:
+        return self.sinks + self._n + self._n_buf
+
+    def nbytes(self) -> int:
+        """Bytes of what the layer holds (spare capacity is allocator headroom, not cache content)."""
+        e = self.exact_length
+        return tensor_bytes(self._ek[:, :e], self._ev[:, :e], self.basis_k, self.basis_v, self.coef_k,
+                            self.coef_v, self.scale_k, self.scale_v, self.query_coef, self.relevance,
+                            self.out_idx)
+
+    # --- coefficients <-> vectors -----------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rope(positions)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def _encode(self, x: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        coef = project(to_groups(x, basis.shape[0]).float(), basis.float())
+        if self.cfg.coef_dtype == "int8":
+            return quantize_int8(coef, self.dtype)
+        return coef.to(self.dtype), None
+
+    def _append_coefs(self, ck, sk, cv, sv) -> None:
+        n, m = self._n, ck.shape[1]
+        self._ck = grown(self._ck, 2, n, n + m)
+        self._cv = grown(self._cv, 1, n, n + m)
+        self._ck[..., n : n + m] = ck.transpose(1, 2)
+        self._cv[:, n : n + m] = cv
+        if sk is not None:
+            self._sk, self._sv = grown(self._sk, 1, n, n + m), grown(self._sv, 1, n, n + m)
+            self._sk[:, n : n + m], self._sv[:, n : n + m] = sk[..., 0], sv[..., 0]
+        if self._rel is not None:
+            self._rel = grown(self._rel, 1, n, n + m)
+            self._rel[:, n : n + m] = 0  # not attended yet; the local window covers them meanwhile
+        self._n = n + m
+
+    def _fold(self, n: int) -> None:
+        """Move the oldest `n` buffer tokens into coefficients with the existing bases."""
+        if n <= 0:
+            return
+        k, v = self.buf_k[:, :n], self.buf_v[:, :n]
+        if self.cfg.key_space == "pre_rope":
+            start = self.sinks + self._n
+            k = undo_rope(k, *self._rope(torch.arange(start, start + n)))
+        ck, sk = self._encode(k, self.basis_k)
+        cv, sv = self._encode(v, self.basis_v)
+        self._append_coefs(ck, sk, cv, sv)
+        start, rest = self.sinks + self._n_out, self._n_buf - n
+        self._ek[:, start : start + rest] = self._ek[:, start + n : start + n + rest].clone()
+        self._ev[:, start : start + rest] = self._ev[:, start + n : start + n + rest].clone()
+        self._n_buf = rest
+
+    # --- cache protocol ---------------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError("a compressed s4r cache holds one sequence (batch size 1)")
+        q = key_states.shape[-2]
+        self._ek = grown(self._ek, 1, self.exact_length, self.exact_length)  # writable here
+        self._ev = grown(self._ev, 1, self.exact_length, self.exact_length)
+        excess = self._n_buf + q - self.cfg.buffer_tokens
+        if excess > 0:
+            step = self.cfg.fold_tokens
+            self._fold(min(self._n_buf, math.ceil(excess / step) * step))
+        end = self.exact_length
+        self._ek = grown(self._ek, 1, end, end + q)
+        self._ev = grown(self._ev, 1, end, end + q)
+        self._ek[:, end : end + q] = key_states[0]
+        self._ev[:, end : end + q] = value_states[0]
+        self._n_buf += q
+        self.logical += q
+        keys = self._ek[:, : end + q].unsqueeze(0)
+        handoff(self, keys)
+        return keys, self._ev[:, : end + q].unsqueeze(0)
+
+    def compact(self) -> None:
+        """Fold the buffer down to its cap (after a long appended document)."""
+        excess = self._n_buf - self.cfg.buffer_tokens
+        if excess > 0:
+            self._fold(excess)
+
+    def attend(self, query, key, value, scaling):
+        q_heads, q_len = query.shape[1], query.shape[2]
+        heads, n_rep = self.heads, query.shape[1] // self.heads
+        rows = n_rep * q_len
+        # folded (row j*q + i = head j, position i), fp32: the query is small, its logits need precision
+        qf = query[0].reshape(heads, rows, self.head_dim).float()
+        e = self.exact_length
+        exact_logits = torch.matmul(qf, self._ek[:, :e].float().transpose(1, 2)).mul_(scaling)
+        mask = causal_mask(q_len, e, e - self._n_buf, query.device)
+        if mask is not None:
+            exact_logits.masked_fill_(~mask.repeat(n_rep, 1), float("-inf"))
+        n = self._n
+        if n:
+            idx, sel_logits = self._select_and_score(qf, exact_logits, q_len, scaling)
+            value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
+                                                        self._sv[:, :n], idx)
+        else:
+            sel_logits = exact_logits.new_empty(heads, rows, 0)
+            value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
+        out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
+                               head_blocks(self.basis_v, heads))
+        return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
+
+    # --- selection --------------------------------------------------------------------------------
+    def _latent_query(self, qf: torch.Tensor, q_len: int) -> torch.Tensor:
+        """Query coefficients [H, rows, r_k] (un-rotated first for a pre-RoPE key space)."""
+        if self.cfg.key_space == "pre_rope":
+            positions = torch.arange(self.logical - q_len, self.logical)
+            cos, sin = self._rope(positions)
+            n_rep = qf.shape[1] // q_len
+            q = qf.view(self.heads, n_rep, q_len, -1)
+            qf = undo_rope(q, cos, sin).reshape(qf.shape)
+        kb = head_blocks(self.basis_k, self.heads)
+        return torch.matmul(qf, kb.float())
+
+    def _select_and_score(self, qf, exact_logits, q_len, scaling):
+        """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
+        `shared_selection`), and the queries' logits on them [H, rows, k]."""
+        n = self._n
+        scale_k = None if self._sk is None else self._sk[:, :n]
+        coef_t = self._ck[..., :n]
+        q_lat = self._latent_query(qf, q_len)
+        full_logits = None
+        if self.cfg.scoring == "summed":
+            scores = self._summed_scores(q_lat, q_len, coef_t, scale_k, scaling)
+            if q_len <= self.cfg.query_window and self.cfg.key_space == "post_rope":
+                full_logits = latent_logits(q_lat, coef_t, scale_k, scaling)
+        else:
+            scores, full_logits = self._relevance_scores(q_lat, exact_logits, q_len, coef_t, scale_k, scaling)
+        pool = self.cfg.pool if self.cfg.scoring == "summed" else "max"  # relevance: max keeps peaks
+        scores = pool_scores(scores, self.cfg.pool_kernel, pool)
+        if self.out_idx is not None:
+            # outliers are attended exactly already; don't spend reconstruction slots on them
+            scores.index_fill_(1, self._out_long(), float("-inf"))
+        forced = max(0, self.cfg.local_window - self._n_buf)
+        k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
+        idx = select_tokens(scores, k, forced)  # [1, k] shared by every head, else [H, k]
+        self.selected = idx.expand(self.heads, -1)
+        if self._cv.shape[0] != 1:
+            idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
+        if self.cfg.key_space == "pre_rope":
+            return idx, self._rebuilt_key_logits(qf, idx, scaling)
+        if full_logits is not None:
+            heads, rows, _ = full_logits.shape
+            return idx, torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
+        return idx, gathered_logits(q_lat, coef_t, scale_k, idx, scaling)
+
+    def _rebuilt_key_logits(self, qf, idx, scaling):
+        """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
+        n = self._n
+        scale_k = None if self._sk is None else self._sk[:, :n]
+        rows, sc = gather_value_rows(self.coef_k, scale_k, idx)  # key coefficient rows [H, k, r_k]
+        kb = head_blocks(self.basis_k, self.heads).float()
+        keys = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
+        keys = torch.matmul(keys, kb.transpose(1, 2))
+        cos, sin = self.rope(idx.reshape(-1) + self.sinks)
+        keys = apply_rope(keys, cos.float().view(*idx.shape, -1), sin.float().view(*idx.shape, -1))
+        return torch.matmul(qf, keys.transpose(1, 2)).mul_(scaling)
+
+    def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
+        q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
+        if self.query_coef is not None:
+            q_coef = torch.cat([self.query_coef, q_coef], dim=1)
+        self.query_coef = q_coef[:, -self.cfg.query_window :].clone()
+        scores = latent_scores(coef_t, scale_k, self.query_coef.float().mean(dim=1), self.heads)
+        if self.cfg.pool == "avg":
+            scores = torch.softmax(scores * scaling, dim=-1)
+        return scores.sum(dim=0, keepdim=True) if self.cfg.shared_selection else scores
+
+    def _relevance_scores(self, q_lat, exact_logits, q_len, coef_t, scale_k, scaling):
+        """Relevance [H, N] after this step's queries, and their logits on every stored token [H, rows, N]
+        when every query row was scored (then they double as the attention logits)."""
+        if self._rel is None and self.query_coef is not None:
+            self._seed_relevance(coef_t, scale_k, scaling)
+        window = min(q_len, self.cfg.query_window)
+        n_rep = q_lat.shape[1] // q_len
+        scored = q_lat if window == q_len else (
+            q_lat.view(self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1))
+        logits = latent_logits(scored, coef_t, scale_k, scaling)
+        ex = exact_logits if window == q_len else exact_logits.view(
+            self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1)
+        s, o = self.sinks, self._n_out
+        others = ex if not o else torch.cat([ex[..., :s], ex[..., s + o :]], dim=-1)
+        if o:
+            logits.index_copy_(2, self._out_long(), ex[..., s : s + o])  # outliers: their exact logits
+        # one softmax over the stored tokens and the other exact ones (logsumexp is far slower on CPU
+        # for logits this spread out)
+        probs = torch.softmax(torch.cat([logits, others], dim=-1), dim=-1)[..., : logits.shape[-1]]
+        groups = 1 if self.cfg.shared_selection else self.heads  # shared: every query head is one group
+        probs = probs.view(groups, -1, window, probs.shape[-1])
+        rel = update_relevance(self.relevance, probs, self._decay, self.cfg.scoring)
+        if self.cfg.scoring != "query":
+            self._store_relevance(rel)
+        return rel, (logits if window == q_len else None)
+
+    def _seed_relevance(self, coef_t, scale_k, scaling) -> None:
+        """Relevance from the prompt's last queries (kept at compression), then drop them."""
+        qc = self.query_coef  # [Hq, W, r], positions: the W tokens before the stored ones' end
+        w = qc.shape[1]
+        n_rep = qc.shape[0] // self.heads
+        logits = latent_logits(qc.reshape(self.heads, n_rep * w, -1), coef_t, scale_k, scaling)
+        # window query i sits at the prompt's position T - w + i and sees stored tokens up to it
+        limit = torch.arange(w, device=logits.device) + (self._prompt_coefs - w)
+        future = torch.arange(coef_t.shape[-1], device=logits.device).unsqueeze(0) > limit.unsqueeze(1)
+        logits = logits.view(self.heads, n_rep, w, -1).masked_fill_(future, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.cfg.shared_selection:
+            probs = probs.view(1, -1, w, probs.shape[-1])
+        self._store_relevance(update_relevance(None, probs, self._decay, self.cfg.scoring))
+        self.query_coef = None
+
+    def _store_relevance(self, rel: torch.Tensor) -> None:
+        n = rel.shape[-1]
+        if self._rel is None or self._rel.shape[-1] < n or (
+                self._rel.is_inference() and not torch.is_inference_mode_enabled()):
+            self._rel = rel.new_empty(rel.shape[0], n + max(MIN_SPARE, n // 16), dtype=self.dtype)
+        self._rel[:, :n] = rel
+
+    def _out_long(self) -> torch.Tensor:
+        """The outlier indices as int64 (what index ops take), converted once."""
+        if getattr(self, "_out_cache", (None, None))[0] is not self.out_idx:
+            self._out_cache = (self.out_idx, self.out_idx.long())
+        return self._out_cache[1]
+
+    # --- truncation ---------------------------------------------------------------------------------
+    def truncate(self, logical: int) -> None:
+        logical = max(self.sinks, min(self.logical, logical))
+        keep_buf = max(0, logical - self.sinks - self._n)
+        keep_coef = min(self._n, logical - self.sinks)
+        out_k, out_v = self.out_k, self.out_v
+        drop_out = self.out_idx is not None and bool((self.out_idx >= keep_coef).any())
+        if drop_out:
+            keep = self.out_idx < keep_coef
+            self.out_idx = self.out_idx[keep]
+            out_k, out_v = out_k[:, keep], out_v[:, keep]
+        if drop_out:
+            self._set_exact(self.sink_k.clone(), self.sink_v.clone(), _cloned(out_k), _cloned(out_v),
+                            self.buf_k[:, :keep_buf].clone(), self.buf_v[:, :keep_buf].clone())
+        self._n_buf = min(self._n_buf, keep_buf)  # the workspace keeps its room
+        if keep_coef < self._n:
+            # copy so the dropped rows are freed, not kept alive behind a view
+            self._ck = self._ck[..., :keep_coef].clone()
+            self._cv = self._cv[:, :keep_coef].clone()
+            if self._sk is not None:
+                self._sk, self._sv = self._sk[:, :keep_coef].clone(), self._sv[:, :keep_coef].clone()
+            if self._rel is not None:
+                self._rel = self._rel[:, :keep_coef].clone()
+            self._n = keep_coef
+        self.logical = logical

@@ -1,0 +1,59 @@
+"""The decode-speed table: its rows, and a plain transformers reference that computes what full does."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, staged_cache
+from s4r.generation import forward_tokens
+from tests.helpers import CharTokenizer, tiny_model
+
+
+def tiny_loaded() -> SimpleNamespace:
+    return SimpleNamespace(model=tiny_model("llama"), tokenizer=CharTokenizer(), device="cpu")
+
+
+def test_every_fork_decodes_and_the_exact_ones_agree(monkeypatch):
+    import transformers.integrations.sdpa_attention as sdpa
+
+    calls = []
+    real = sdpa.sdpa_attention_forward
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loaded = tiny_loaded()
+    ids = torch.randint(0, 100, (920,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        staged = staged_cache(loaded.model, ids[:900], chunk_size=128)
+        forks = make_forks(loaded.model, staged, [("s4r", 2.5)])
+        assert [f.name for f in forks] == ["full", "s4r 2.5", PLAIN]
+        logits = {f.name: [] for f in forks}
+        for pos, token in enumerate(ids[900:], start=900):
+            for fork in forks:
+                step = forward_tokens(loaded.model, fork.cache, torch.tensor([[token]]), pos)
+                logits[fork.name].append(step)
+    # plain transformers (DynamicCache + sdpa) and the folded full cache are the same exact attention
+    torch.testing.assert_close(torch.stack(logits[PLAIN]), torch.stack(logits["full"]), atol=1e-4, rtol=1e-4)
+    assert forks[1].cache.ratio() > 2.2
+    # only the reference row ran transformers' own attention: once per layer and step
+    assert len(calls) == 20 * loaded.model.config.num_hidden_layers
+
+
+def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
+    monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
+    rows = measure(tiny_loaded(), [900], [("s4r", 2.5)], steps=3, warmup=1, log=lambda m: None)
+    assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (PLAIN, 3)]
+    assert rows[0].vs_full == 1.0 and all(r.median_ms > 0 for r in rows)
+    assert "| 900 | s4r 2.5 |" in markdown(rows)
+
+
+def test_layer_speed_times_every_kernel_on_one_layer():
+    from s4r.bench.layer_speed import layer_times
+    from s4r.budget import KVShape
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 900, 16, generator=g), torch.randn(3, 900, 16, generator=g)
+    queries = torch.randn(9, 32, 16, generator=g)
+    times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2)
+    assert sorted(times) == ["full", "s4r 2.5", "s4r 5", "transformers"]
+    assert all(ms > 0 for ms in times.values())

@@ -1,0 +1,230 @@
+"""Attention kernels of the decode step: folded grouped heads, latent-space logits and attention,
+and the selection of a token that wins the attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from s4r.attention import causal_attention, causal_mask
+from s4r.compress import compress_layer
+from s4r.config import S4RConfig
+from s4r.latent import latent_logits
+from s4r.layers import head_blocks
+
+HEADS, GROUP, DIM = 3, 3, 16
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_gqa(query, key, value, scaling, prefix=None):
+    """enable_gqa SDPA with an explicit bottom-right causal mask (the unfolded computation)."""
+    mask = causal_mask(query.shape[-2], key.shape[-2], prefix)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 5, 16])
+@pytest.mark.parametrize("prefix", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_heads_equal_enable_gqa(q_len, prefix, dtype):
+    g = gen(q_len)
+    query = torch.randn(1, HEADS * GROUP, q_len, DIM, generator=g).to(dtype)
+    key = torch.randn(1, HEADS, 40, DIM, generator=g).to(dtype)
+    value = torch.randn(1, HEADS, 40, DIM, generator=g).to(dtype)
+    got = causal_attention(query, key, value, 0.3, prefix=prefix)
+    expected = reference_gqa(query, key, value, 0.3, prefix)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    # the causal part matters: the first query must not see the last key
+    if q_len > 1:
+        changed = value.clone()
+        changed[:, :, -1] += 10
+        again = causal_attention(query, key, changed, 0.3, prefix=prefix)
+        torch.testing.assert_close(again[:, :, 0], got[:, :, 0])
+        assert not torch.allclose(again[:, :, -1], got[:, :, -1])
+
+
+@pytest.mark.parametrize("groups", [1, HEADS])
+def test_latent_logits_equal_dense_logits_at_full_rank(groups):
+    g = gen(1)
+    width = DIM if groups == HEADS else DIM * HEADS
+    basis = torch.linalg.qr(torch.randn(groups, width, width, generator=g))[0]
+    keys = torch.randn(HEADS, 50, DIM, generator=g)
+    query = torch.randn(HEADS, GROUP, DIM, generator=g)  # folded query rows per KV head
+    grouped = keys if groups == HEADS else keys.transpose(0, 1).reshape(1, 50, width)
+    coef = grouped @ basis  # [G, N, r]
+    q_lat = query @ head_blocks(basis, HEADS)
+    got = latent_logits(q_lat, coef.transpose(1, 2).contiguous(), None, 0.25)
+    expected = (query @ keys.transpose(1, 2)) * 0.25
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_latent_logits_track_the_float_ones():
+    g = gen(2)
+    coef = torch.randn(1, 64, 300, generator=g)
+    scale = coef.abs().amax(dim=1) / 127
+    q8 = torch.round(coef / scale.unsqueeze(1)).to(torch.int8)
+    q_lat = torch.randn(HEADS, GROUP, 64, generator=g)
+    got = latent_logits(q_lat, q8, scale, 1.0)
+    expected = latent_logits(q_lat, q8.float() * scale.unsqueeze(1), None, 1.0)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 0.02
+
+
+def layer_and_dense(cfg: S4RConfig, seed: int = 0, tokens: int = 200):
+    """A compressed layer of random keys/values, its dense K/V and a query window."""
+    g = gen(seed)
+    keys = torch.randn(HEADS, tokens, DIM, generator=g)
+    values = torch.randn(HEADS, tokens, DIM, generator=g)
+    queries = torch.randn(HEADS * GROUP, 8, DIM, generator=g)
+    width = DIM * HEADS if cfg.granularity == "layer" else DIM
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k or width, cfg.rank_v or width, None)
+    return layer, keys, values
+
+
+def step(layer, keys, values, query, new_k, new_v):
+    """Append one token and attend; also return the dense reference over every token."""
+    layer.update(new_k, new_v)
+    out = layer.attend(query, None, None, DIM**-0.5)
+    all_k = torch.cat([keys, new_k[0]], dim=1).unsqueeze(0)
+    all_v = torch.cat([values, new_v[0]], dim=1).unsqueeze(0)
+    return out, causal_attention(query, all_k, all_v, DIM**-0.5)
+
+
+@pytest.mark.parametrize("scoring", ["query", "max", "mean", "summed"])
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_latent_attention_equals_full_attention_at_full_rank(scoring, granularity, shared):
+    width = DIM * HEADS if granularity == "layer" else DIM
+    cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="model", sample_tokens=None,
+                    recon_fraction=1.0, granularity=granularity, scoring=scoring, outlier_fraction=0.05,
+                    shared_selection=shared)
+    layer, keys, values = layer_and_dense(cfg)
+    g = gen(5)
+    query = torch.randn(1, HEADS * GROUP, 1, DIM, generator=g)
+    new = torch.randn(1, HEADS, 1, DIM, generator=g)
+    out, expected = step(layer, keys, values, query, new, new)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("coef_dtype", ["model", "int8"])
+def test_latent_attention_equals_reconstructing_attention(granularity, shared, coef_dtype):
+    """At a partial selection, the latent path gives what attention over the rebuilt selected tokens
+    (plus sinks, outliers and buffer, exact) gives."""
+    width = DIM * HEADS if granularity == "layer" else DIM
+    cfg = S4RConfig(ratio=None, rank_k=width // 2, rank_v=width // 2, coef_dtype=coef_dtype,
+                    sample_tokens=None, recon_fraction=0.3, granularity=granularity, outlier_fraction=0.05,
+                    shared_selection=shared)
+    layer, _, _ = layer_and_dense(cfg, seed=3)
+    g = gen(6)
+    query = torch.randn(1, HEADS * GROUP, 1, DIM, generator=g)
+    new = torch.randn(1, HEADS, 1, DIM, generator=g)
+    layer.update(new, new)
+    out = layer.attend(query, None, None, DIM**-0.5)
+    idx = layer.selected
+    kb, vb = head_blocks(layer.basis_k, HEADS), head_blocks(layer.basis_v, HEADS)
+
+    def rebuilt(coef, scale, blocks):
+        coef = coef.float() if scale is None else coef.float() * scale.float()
+        rows = coef[0][idx] if coef.shape[0] == 1 else torch.gather(
+            coef, 1, idx.unsqueeze(-1).expand(-1, -1, coef.shape[-1]))
+        return rows @ blocks.transpose(1, 2)
+
+    rebuilt_k = rebuilt(layer.coef_k, layer.scale_k, kb)
+    rebuilt_v = rebuilt(layer.coef_v, layer.scale_v, vb)
+    keys = torch.cat([layer.sink_k, layer.out_k, rebuilt_k, layer.buf_k], dim=1)
+    values = torch.cat([layer.sink_v, layer.out_v, rebuilt_v, layer.buf_v], dim=1)
+    expected = causal_attention(query, keys.unsqueeze(0), values.unsqueeze(0), DIM**-0.5)
+    # int8: the query's latent coefficients are rounded to int8 for the logits (CPU), ~0.5% of a logit
+    tol = 1e-4 if coef_dtype == "model" else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    if shared:
+        assert bool((idx == idx[:1]).all())
+
+
+@pytest.mark.parametrize("scoring", ["query", "max", "mean", "summed"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_token_planted_to_win_the_attention_is_selected(scoring, shared):
+    """With sparse reconstruction (recon_fraction < 1) and no outliers, a stored token whose key
+    matches the query is among the reconstructed ones, and dominates the output as it should."""
+    width = DIM * HEADS
+    cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="int8", sample_tokens=None,
+                    recon_fraction=0.05, outlier_fraction=0.0, scoring=scoring, local_window=4,
+                    shared_selection=shared)
+    g = gen(9)
+    tokens, planted = 400, 123
+    keys = torch.randn(HEADS, tokens, DIM, generator=g) * 0.3
+    values = torch.randn(HEADS, tokens, DIM, generator=g)
+    direction = torch.randn(HEADS, DIM, generator=g)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    keys[:, planted] = 12 * direction
+    query = (4 * direction).repeat_interleave(GROUP, dim=0).view(1, HEADS * GROUP, 1, DIM)
+    layer = compress_layer(keys, values, query[0], cfg, width, width, None)
+    new = torch.zeros(1, HEADS, 1, DIM)
+    layer.update(new, new)
+    out = layer.attend(query, None, None, DIM**-0.5)
+    stored = planted - cfg.sinks
+    assert layer.selected.shape[1] < 0.1 * layer.stored_coefs
+    assert bool((layer.selected == stored).any(dim=1).all())
+    # the output is (close to) the planted value, as in full attention
+    all_k, all_v = torch.cat([keys, new[0]], 1)[None], torch.cat([values, new[0]], 1)[None]
+    expected = causal_attention(query, all_k, all_v, DIM**-0.5)
+    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)  # int8 coefficients: ~1% off
+
+
+@pytest.mark.parametrize("scoring", ["query", "max", "summed"])
+@pytest.mark.parametrize("q_len", [5, 12])
+def test_a_chunk_of_queries_attends_causally_and_exactly_at_full_rank(scoring, q_len):
+    """Several new tokens at once (a question): each sees the stored tokens and the chunk up to itself;
+    a chunk longer than the query window takes the gathered-logits path."""
+    width = DIM * HEADS
+    cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="model", sample_tokens=None,
+                    recon_fraction=1.0, scoring=scoring, query_window=8, buffer_tokens=8, fold_tokens=4)
+    layer, keys, values = layer_and_dense(cfg, seed=4)
+    g = gen(7)
+    for _ in range(2):  # the second chunk folds part of the first into coefficients
+        query = torch.randn(1, HEADS * GROUP, q_len, DIM, generator=g)
+        new_k = torch.randn(1, HEADS, q_len, DIM, generator=g)
+        new_v = torch.randn(1, HEADS, q_len, DIM, generator=g)
+        out, expected = step(layer, keys, values, query, new_k, new_v)
+        keys, values = torch.cat([keys, new_k[0]], dim=1), torch.cat([values, new_v[0]], dim=1)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert layer.stored_coefs > 200 - cfg.sinks
+
+
+def test_relevance_keeps_a_sharp_query_and_forgets_it_slowly():
+    from s4r.selection import decay_factor, update_relevance
+
+    decay = decay_factor(4)  # weight halves every 4 queries
+    sharp = torch.zeros(1, 2, 1, 5)
+    sharp[0, 1, 0, 2] = 0.9  # one head of the group attends token 2 sharply
+    flat = torch.full((1, 2, 1, 5), 0.2)
+    rel = update_relevance(None, sharp, decay, "max")
+    assert rel.argmax().item() == 2 and rel[0, 2].item() == pytest.approx(0.9)
+    for _ in range(4):
+        rel = update_relevance(rel, flat, decay, "max")
+    assert rel[0, 2].item() == pytest.approx(0.45, rel=1e-5)  # halved after 4 queries, still the top
+    assert update_relevance(rel, sharp, decay, "query")[0, 2].item() == pytest.approx(0.9)
+    mean = update_relevance(None, sharp, decay, "mean")
+    assert mean[0, 2].item() == pytest.approx(0.45 * (1 - decay))  # group mean, weighted 1 - decay
+
+
+def test_the_cast_route_for_int8_coefficients_matches_the_int8_matmul(monkeypatch):
+    """GPUs cast int8 coefficients instead of `torch._int_mm` (CPU only): both routes agree."""
+    import s4r.latent
+
+    g = gen(11)
+    coef = torch.randint(-127, 128, (1, 48, 500), generator=g, dtype=torch.int8)
+    scale = torch.rand(1, 500, generator=g) / 100
+    q_lat = torch.randn(HEADS, GROUP, 48, generator=g)
+    fast = latent_logits(q_lat, coef, scale, 0.5)
+    monkeypatch.setattr(s4r.latent, "int8_matmul_available", lambda device: False)
+    cast = latent_logits(q_lat, coef, scale, 0.5)
+    exact = latent_logits(q_lat, coef.float(), scale, 0.5)
+    for got in (fast, cast):
+        assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
