@@ -1,12 +1,18 @@
-"""Memory figures: KV bytes of a cache and the process's peak memory."""
+"""Memory figures: KV bytes of a cache, and what the process really holds (RSS, CUDA allocations)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+
+STATUS_FILE = "/proc/self/status"
+CLEAR_REFS_FILE = "/proc/self/clear_refs"
 
 
 @dataclass(frozen=True)
@@ -23,10 +29,89 @@ class MemoryReport:
         return self.full_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
-def peak_memory_bytes(device: torch.device | None = None) -> int:
-    """Peak CUDA memory allocated on a GPU device, else the process's peak resident set size."""
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+def _status_kib(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (Linux), or None where there is no such file or field."""
+    try:
+        with open(STATUS_FILE, encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set size now (Linux), or None where it cannot be read."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size: since the last `reset_peak_memory` where the kernel allows
+    resetting it (Linux VmHWM), else since the process started."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """The process's measured peak: CUDA memory allocated on a GPU device, else peak resident set size.
+
+    Both count everything the process holds (weights, activations, cache, allocator slack), not only
+    the cache; `reset_peak_memory` starts a new measurement.
+    """
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
+def current_memory_bytes(device: torch.device | None = None) -> int | None:
+    """What the process holds now: CUDA memory allocated on a GPU device, else the resident set size."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return rss_bytes()
+
+
+def reset_peak_memory(device: torch.device | None = None) -> bool:
+    """Start a new peak measurement; False where the peak RSS cannot be reset (it then stays the
+    process-lifetime peak). CUDA peaks can always be reset."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        # "5" resets the peak RSS (VmHWM) to the current RSS (Linux 4.0+)
+        with open(CLEAR_REFS_FILE, "w", encoding="ascii") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim  # glibc only; musl and others have no such symbol
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory(device: torch.device | None = None) -> bool:
+    """Give freed heap pages back to the OS (glibc `malloc_trim`) and, on CUDA, cached blocks back to
+    the driver, so the process's memory shrinks after a large staging buffer is freed.
+
+    Returns whether the host heap could be trimmed (False on non-glibc platforms).
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -17,12 +17,17 @@ from .cache import S4RCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import forward_tokens, prefill, sample_token
-from .memory import MemoryReport, peak_memory_bytes
+from .layerwise import decoder_parts, layerwise_prefill
+from .memory import MemoryReport, peak_memory_bytes, release_freed_memory
 from .methods import METHODS, CompressContext, make_method
 from .persist import load_cache, read_header, save_cache
 from .rope import model_rope_fn
 
-__all__ = ["METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
+__all__ = ["INGEST_MODES", "METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
+
+# how documents are prefilled: layer by layer, compressing each layer when complete (the default where it
+# applies), or in token chunks through the whole model into a full staging cache compressed at the end
+INGEST_MODES: tuple[str, ...] = ("layerwise", "chunked")
 
 # tokens kept free after the documents for the question and the start of an answer
 ANSWER_HEADROOM = 512
@@ -31,12 +36,19 @@ STAGING_QUERY_WINDOW = 64
 
 @dataclass(frozen=True)
 class IngestStats:
-    """Timing of one ingest: prefill (model forward) and compression."""
+    """Timing of one ingest: prefill (model forward) and compression.
+
+    `mode` is how it ran ("layerwise" or "chunked"; a layer-wise ingest compresses during the prefill,
+    so its compression time is counted in `prefill_seconds`). `peak_mem_bytes` is the process's
+    measured peak after it (see `s4r.memory.peak_memory_bytes`), not the cache's bytes.
+    """
 
     tokens: int
     seconds: float
     prefill_seconds: float
     compress_seconds: float
+    mode: str = "chunked"
+    peak_mem_bytes: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -87,15 +99,20 @@ class Session:
     """A long-document chat over one model with one KV-cache method.
 
     `loaded` is an `s4r.loading.LoadedModel` (or anything with model, tokenizer, name, device, dtype and
-    context_length). The documents are prefilled in chunks and compressed once; questions and answers
-    go through the compressed cache.
+    context_length). `ingest="layerwise"` (the default) prefills documents one decoder layer at a
+    time and compresses each layer as soon as it is complete, so an ingest never holds the full cache;
+    it falls back to token chunks (`"chunked"`: a full staging cache, compressed once at the end) where
+    the model or the method cannot go layer by layer (`ingest_mode_for` says which and why). Questions
+    and answers go through the compressed cache.
     """
 
     def __init__(self, loaded, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
                  truncate: str | None = None, config_overrides: dict[str, Any] | None = None,
-                 chunk_size: int = 512) -> None:
+                 chunk_size: int = 512, ingest: str = "layerwise") -> None:
         if method != "full" and not ratio >= 1.0:
             raise BudgetError(f"ratio must be at least 1, got {ratio:g}")
+        if ingest not in INGEST_MODES:
+            raise S4RError(f"unknown ingest mode '{ingest}' (choose {' or '.join(INGEST_MODES)})")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -107,6 +124,7 @@ class Session:
         self.truncate = truncate
         self.config_overrides = dict(config_overrides or {})
         self.chunk_size = chunk_size
+        self.ingest_mode = ingest
         try:
             self._method = make_method(method, ratio, self.config_overrides)
         except ValueError as exc:
@@ -196,9 +214,23 @@ class Session:
         self._doc_checkpoint = (self.logical_length, self._state)
         return stats
 
+    def ingest_mode_for(self, compress: bool = True) -> tuple[str, str]:
+        """(mode, reason) the next ingest will use: "layerwise" where this session asks for it and it
+        applies, else "chunked" with the reason."""
+        if self.ingest_mode == "chunked":
+            return "chunked", "asked for"
+        if decoder_parts(self.model) is None:
+            return "chunked", "the model's architecture is not a plain decoder stack layer-wise knows"
+        if self.cache is None and not compress:
+            return "chunked", "the staged cache is kept whole for fork"
+        if self.cache is None and not getattr(self._method, "layerwise", False):
+            return "chunked", f"method {self.method} needs every layer before it compresses any"
+        return "layerwise", ""
+
     def _ingest_ids(self, ids: list[int], progress: Callable[[int, int], None] | None,
                     compress: bool = True) -> IngestStats:
         tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        mode = self.ingest_mode_for(compress)[0]
         fresh = self.cache is None
         if fresh:
             self.cache = self._new_cache()
@@ -206,7 +238,10 @@ class Session:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
+                if mode == "layerwise":
+                    self._layerwise(tensor, start, fresh, progress)
+                else:
+                    prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
         except KeyboardInterrupt:
             # an interrupted ingest leaves the session as it was before it
             if fresh:
@@ -214,8 +249,13 @@ class Session:
             else:
                 self.cache.truncate(start)
             raise
+        except BudgetError:
+            # a layer-wise ingest learns after its first layer that the ratio cannot be met
+            if fresh:
+                self.cache = None
+            raise
         t1 = time.perf_counter()
-        if fresh and compress:
+        if mode == "chunked" and fresh and compress:
             try:
                 self._compress()
             except BudgetError:
@@ -224,7 +264,32 @@ class Session:
         elif not fresh:
             self.cache.compact()
         t2 = time.perf_counter()
-        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1)
+        # the freed staging buffers go back to the OS instead of staying in the process's heap
+        release_freed_memory(self.device)
+        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1, mode, peak_memory_bytes(self.device))
+
+    def _layerwise(self, ids: torch.Tensor, start: int, fresh: bool,
+                   progress: Callable[[int, int], None] | None) -> None:
+        """Layer-wise prefill; a fresh cache is compressed layer by layer with the method's own per-layer
+        build (the method plans from layer 0, which then holds the whole text), appended text is folded
+        into each compressed layer as soon as that layer has it."""
+        cache = self.cache
+        if fresh:
+            cache.hold_layers(range(1, len(cache.layers)))
+
+        def layer_done(i: int) -> None:
+            if fresh and i == 0:
+                self.compress_info = self._method.compress(
+                    cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+            elif fresh:
+                cache.release_layer(i)
+            elif hasattr(cache.layers[i], "compact"):
+                cache.layers[i].compact()
+
+        try:
+            layerwise_prefill(self.model, cache, ids, start, self.chunk_size, layer_done, progress)
+        finally:
+            cache.hold_layers(())
 
     def _compress(self) -> None:
         with torch.inference_mode():
