@@ -91,15 +91,42 @@ def reset_peak_memory(device: torch.device | None = None) -> bool:
         return False
 
 
+# glibc's mallopt parameter number of the mmap threshold (malloc.h)
+M_MMAP_THRESHOLD = -3
+# allocations at least this big get their own mapping, returned to the OS as soon as they are freed
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+
 @lru_cache(maxsize=1)
-def _malloc_trim():
+def _glibc():
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim  # glibc only; musl and others have no such symbol
+        libc.malloc_trim, libc.mallopt  # noqa: B018 - glibc only; musl and others lack them
+        return libc
     except (OSError, AttributeError):
         return None
+
+
+def _malloc_trim():
+    libc = _glibc()
+    return None if libc is None else libc.malloc_trim
+
+
+@lru_cache(maxsize=1)
+def bound_heap_growth() -> bool:
+    """Keep large freed buffers from piling up in the heap (glibc): fix the mmap threshold.
+
+    By default glibc raises its mmap threshold to the largest buffer freed so far, so the activations
+    of a long prefill (a little bigger at every block, as the keys grow) come from the heap, and the
+    freed ones can rarely be reused or given back: the process grows by several MiB per block even
+    though the live tensors do not. A fixed threshold maps each large buffer on its own and unmaps it
+    when freed. Process-wide and permanent (glibc has no way back to the sliding threshold); returns
+    whether it could be set.
+    """
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def release_freed_memory(device: torch.device | None = None) -> bool:

@@ -18,7 +18,7 @@ from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import forward_tokens, prefill, sample_token
 from .layerwise import decoder_parts, layerwise_prefill
-from .memory import MemoryReport, peak_memory_bytes, release_freed_memory
+from .memory import MemoryReport, bound_heap_growth, peak_memory_bytes, release_freed_memory
 from .methods import METHODS, CompressContext, make_method
 from .persist import load_cache, read_header, save_cache
 from .rope import model_rope_fn
@@ -231,6 +231,8 @@ class Session:
                     compress: bool = True) -> IngestStats:
         tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
         mode = self.ingest_mode_for(compress)[0]
+        if self.device.type == "cpu":
+            bound_heap_growth()
         fresh = self.cache is None
         if fresh:
             self.cache = self._new_cache()
@@ -285,6 +287,7 @@ class Session:
                 cache.release_layer(i)
             elif hasattr(cache.layers[i], "compact"):
                 cache.layers[i].compact()
+            release_freed_memory(self.device)
 
         try:
             layerwise_prefill(self.model, cache, ids, start, self.chunk_size, layer_done, progress)
