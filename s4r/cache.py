@@ -66,6 +66,19 @@ class S4RCache(Cache):
         if not self._held:
             self._pending_build = None
 
+    def reserve_layer(self, i: int, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Size the empty staging layer `i` for `tokens` tokens at once: a layer-wise ingest knows the
+        length up front, and growing by doubling would hold up to 1.5x a layer during the last copy."""
+        layer = self.layers[i]
+        if type(layer) is not FullLayer or layer.logical:
+            return
+        shape = (1, self.shape.kv_heads, tokens, self.shape.head_dim)
+        # one update of `tokens` (broadcast zeros, nothing allocated for them) sizes the storage exactly;
+        # the length goes back to 0 so the real keys/values fill it from the start
+        nothing = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        layer.update(nothing, nothing)
+        layer.truncate(0)
+
     def release_layer(self, i: int) -> None:
         """Layer `i` holds its whole text now: compress it if a method's build is waiting for it."""
         self._held.discard(i)

@@ -23,6 +23,9 @@ import torch
 # architectures whose decoder is embed -> layers(hidden, position_embeddings, cache) -> norm -> lm_head,
 # with nothing else between them (no embedding scale, no logit soft-capping)
 LAYERWISE_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# largest query block a session sends through one layer: the attention's transient memory grows with
+# block x keys, and one layer's weights are cheap to apply again, so small blocks cost little time
+LAYERWISE_BLOCK = 256
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from .cache import S4RCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import forward_tokens, prefill, sample_token
-from .layerwise import decoder_parts, layerwise_prefill
+from .layerwise import LAYERWISE_BLOCK, decoder_parts, layerwise_prefill
 from .memory import MemoryReport, bound_heap_growth, peak_memory_bytes, release_freed_memory
 from .methods import METHODS, CompressContext, make_method
 from .persist import load_cache, read_header, save_cache
@@ -244,17 +244,13 @@ class Session:
                     self._layerwise(tensor, start, fresh, progress)
                 else:
                     prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
-        except KeyboardInterrupt:
-            # an interrupted ingest leaves the session as it was before it
+        except BaseException:
+            # an interrupted or failed ingest (Ctrl-C, out of memory, a ratio a layer-wise ingest finds
+            # unreachable after its first layer) leaves the session as it was before it
             if fresh:
                 self.cache = None
             else:
                 self.cache.truncate(start)
-            raise
-        except BudgetError:
-            # a layer-wise ingest learns after its first layer that the ratio cannot be met
-            if fresh:
-                self.cache = None
             raise
         t1 = time.perf_counter()
         if mode == "chunked" and fresh and compress:
@@ -276,10 +272,14 @@ class Session:
         build (the method plans from layer 0, which then holds the whole text), appended text is folded
         into each compressed layer as soon as that layer has it."""
         cache = self.cache
+        dtype = self.model.get_input_embeddings().weight.dtype
         if fresh:
             cache.hold_layers(range(1, len(cache.layers)))
+            cache.reserve_layer(0, ids.shape[0], dtype, self.device)
 
         def layer_done(i: int) -> None:
+            if fresh and i + 1 < len(cache.layers):
+                cache.reserve_layer(i + 1, ids.shape[0], dtype, self.device)
             if fresh and i == 0:
                 self.compress_info = self._method.compress(
                     cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
@@ -290,7 +290,8 @@ class Session:
             release_freed_memory(self.device)
 
         try:
-            layerwise_prefill(self.model, cache, ids, start, self.chunk_size, layer_done, progress)
+            block = min(self.chunk_size, LAYERWISE_BLOCK)
+            layerwise_prefill(self.model, cache, ids, start, block, layer_done, progress)
         finally:
             cache.hold_layers(())
 
