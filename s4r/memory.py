@@ -69,6 +69,21 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
     return peak_rss_bytes()
 
 
+@dataclass(frozen=True)
+class ProcessMemory:
+    """What the whole process holds: its measured peak and its size now, and what they count."""
+
+    peak_bytes: int
+    current_bytes: int | None
+    kind: str  # "RSS" (resident set, CPU) or "CUDA allocated"
+
+
+def process_memory(device: torch.device | None = None) -> ProcessMemory:
+    """The process's measured peak and current memory on `device` (see `peak_memory_bytes`)."""
+    kind = "CUDA allocated" if device is not None and device.type == "cuda" else "RSS"
+    return ProcessMemory(peak_memory_bytes(device), current_memory_bytes(device), kind)
+
+
 def current_memory_bytes(device: torch.device | None = None) -> int | None:
     """What the process holds now: CUDA memory allocated on a GPU device, else the resident set size."""
     if device is not None and device.type == "cuda":

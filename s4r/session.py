@@ -18,7 +18,14 @@ from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import forward_tokens, prefill, sample_token
 from .layerwise import LAYERWISE_BLOCK, decoder_parts, layerwise_prefill
-from .memory import MemoryReport, bound_heap_growth, peak_memory_bytes, release_freed_memory
+from .memory import (
+    MemoryReport,
+    ProcessMemory,
+    bound_heap_growth,
+    peak_memory_bytes,
+    process_memory,
+    release_freed_memory,
+)
 from .methods import METHODS, CompressContext, make_method
 from .persist import load_cache, read_header, save_cache
 from .rope import model_rope_fn
@@ -57,7 +64,9 @@ class IngestStats:
 
 @dataclass(frozen=True)
 class TurnStats:
-    """Figures of one question/answer turn."""
+    """Figures of one question/answer turn. `peak_mem_bytes` is the process's measured peak (RSS on CPU,
+    CUDA allocated on GPU; see `s4r.memory.peak_memory_bytes`), weights included, not the cache's bytes
+    (those are in `memory`)."""
 
     prompt_tokens: int
     generated_tokens: int
@@ -142,6 +151,7 @@ class Session:
         self._doc_checkpoint: tuple[int, str] | None = None
         self._stop_ids = self._stop_token_ids()
         self.compress_seconds = 0.0
+        self.last_ingest: IngestStats | None = None
 
     # --- helpers ----------------------------------------------------------------------------------
     def _stop_token_ids(self) -> set[int]:
@@ -178,6 +188,10 @@ class Session:
         """Tokens the model has seen in this session."""
         return self.cache.logical_length() if self.cache is not None else 0
 
+    def process_memory(self) -> ProcessMemory:
+        """The whole process's measured peak and current memory (RSS on CPU, CUDA allocated on GPU)."""
+        return process_memory(self.device)
+
     def memory(self) -> MemoryReport:
         """Stored KV bytes, the uncompressed equivalent and the token count now."""
         if self.cache is None:
@@ -208,6 +222,7 @@ class Session:
             doc_ids = truncate_ids(doc_ids, room, self.truncate)
         ids = head_ids + doc_ids
         stats = self._ingest_ids(ids, progress, compress)
+        self.last_ingest = stats
         self.document_tokens += len(doc_ids)
         self.documents.append(name or f"document {len(self.documents) + 1}")
         self._state = "open"

@@ -13,6 +13,8 @@ from s4r_cli.common import (
     Dtype,
     DtypeOpt,
     FileOpt,
+    Ingest,
+    IngestOpt,
     LoadOpt,
     MaxNewTokensOpt,
     MethodOpt,
@@ -48,6 +50,7 @@ def chat(
     method: MethodOpt = "s4r",
     truncate: TruncateOpt = None,
     rope_scaling: RopeScalingOpt = None,
+    ingest: IngestOpt = Ingest.layerwise,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = Dtype.auto,
     quant: QuantOpt = Quant.none,
@@ -63,7 +66,8 @@ def chat(
     """
     args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                        truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling)
+                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling,
+                       ingest=ingest)
     with pipe_guard():
         run_chat(args)
 

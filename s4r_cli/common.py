@@ -76,6 +76,13 @@ class Truncate(str, Enum):
     middle = "middle"
 
 
+class Ingest(str, Enum):
+    """Choices for --ingest: how documents are prefilled into the cache."""
+
+    layerwise = "layerwise"
+    chunked = "chunked"
+
+
 # -- option declarations (used by both chat.py and ask.py so they are defined once) -----------------------
 
 _MODEL = "Model"
@@ -100,6 +107,10 @@ MethodOpt = Annotated[str, typer.Option(
 TruncateOpt = Annotated[Truncate | None, typer.Option(
     "--truncate", case_sensitive=False, rich_help_panel=_CACHE,
     help="If a document is longer than the context, keep its head, tail or middle (default: refuse).")]
+IngestOpt = Annotated[Ingest, typer.Option(
+    "--ingest", case_sensitive=False, rich_help_panel=_CACHE,
+    help="layerwise: one model layer at a time, each compressed when done (never the full cache; "
+         "chunked where it cannot apply); chunked: the whole model per chunk, compressed at the end.")]
 RopeScalingOpt = Annotated[float | None, typer.Option(
     "--rope-scaling", metavar="FACTOR", rich_help_panel=_MODEL, show_default=False,
     help="Stretch the model's context FACTOR times (above 1, at most 8) by rescaling its RoPE; "
@@ -409,6 +420,7 @@ class CommonArgs:
     method: str = "s4r"
     truncate: Truncate | None = None
     rope_scaling: float | None = None
+    ingest: Ingest = Ingest.layerwise
     system: str | None = None
     files: list[str] = field(default_factory=list)
     load: str | None = None
@@ -431,19 +443,21 @@ class CommonArgs:
                               "truncate": self.truncate.value if self.truncate else None}
         if only_explicit:
             kw = {k: v for k, v in kw.items() if k in self.explicit}
+        kw["ingest"] = self.ingest.value  # how to read documents, never part of a saved cache
         return kw
 
 
 def common_args(ctx: typer.Context, *, model: str, device: str, dtype: Dtype, quant: Quant, ratio: float,
                 method: str, truncate: Truncate | None, system: str | None, files: list[str] | None,
                 load: str | None, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int | None, rope_scaling: float | None = None) -> CommonArgs:
+                seed: int | None, rope_scaling: float | None = None,
+                ingest: Ingest = Ingest.layerwise) -> CommonArgs:
     """Bundle the shared options of a command into a validated CommonArgs."""
     explicit = {name for name in ("method", "ratio", "system", "truncate")
                 if (src := ctx.get_parameter_source(name)) is not None and src.name != "DEFAULT"}
     args = CommonArgs(model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                       truncate=truncate, rope_scaling=rope_scaling, system=system, files=list(files or []),
-                      load=load,
+                      load=load, ingest=ingest,
                       generation=GenerationSettings(max_new_tokens, temperature, top_p, seed),
                       explicit=frozenset(explicit))
     args.validate()

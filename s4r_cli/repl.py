@@ -33,7 +33,7 @@ from s4r_cli.common import (
     method_label,
     read_document_file,
 )
-from s4r_cli.ui import UI, mib, seconds, turn_stats_line
+from s4r_cli.ui import UI, mib, process_memory_text, seconds, turn_stats_line
 
 COMMANDS: list[tuple[str, str]] = [
     ("/help", "show this help"),
@@ -138,6 +138,7 @@ class CommandHandler:
             ("documents", f"{s.document_tokens:,} tokens, ingested in {seconds(self.state.ingest_seconds)}"),
             ("KV cache", f"{mem.tokens:,} tokens: {mib(mem.full_bytes)} full → {mib(mem.stored_bytes)} "
                          f"stored (×{mem.ratio:.2f} achieved)"),
+            ("memory", process_memory_text(s.process_memory(), s.last_ingest)),
             ("settings", g.describe()),
             ("last turn", turn_stats_line(last) if (last := self.state.last_stats) else "no question yet"),
         ]

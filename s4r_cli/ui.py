@@ -87,6 +87,16 @@ def header_rows(loaded: Any, session: Any, ingest_seconds: float | None) -> list
     return rows
 
 
+def process_memory_text(proc: Any, ingest: Any = None) -> str:
+    """The process's measured memory (not only the cache), and how the last document was ingested."""
+    text = f"process peak {mib(proc.peak_bytes)} {proc.kind}"
+    if proc.current_bytes is not None:
+        text += f", now {mib(proc.current_bytes)}"
+    if ingest is not None:
+        text += f" · last document ingested {ingest.mode}"
+    return text
+
+
 def turn_stats_line(stats: Any) -> str:
     """One line after each answer: latency, speeds, cache size and achieved ratio, peak memory."""
     mem = stats.memory
