@@ -32,12 +32,13 @@ def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
     heads, total, _ = keys.shape
     s = min(cfg.sinks, total)
     groups = heads if cfg.granularity == "head" else 1
-    k_rest = keys[:, s:].float()
+    k_rest = keys[:, s:]
     if cfg.key_space == "pre_rope":
         if rope is None:
             raise ValueError("pre-RoPE keys need the model's rotary embedding")
-        k_rest = undo_rope(k_rest, *(t.float() for t in rope(torch.arange(s, total))))
-    return to_groups(k_rest, groups), to_groups(values[:, s:].float(), groups)
+        k_rest = undo_rope(k_rest.float(), *(t.float() for t in rope(torch.arange(s, total))))
+    # group first, then widen to fp32: a long layer never holds two fp32 copies of its keys or values
+    return to_groups(k_rest, groups).float(), to_groups(values[:, s:], groups).float()
 
 
 def _fit(groups: torch.Tensor, idx: torch.Tensor, cfg: S4RConfig,

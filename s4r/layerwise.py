@@ -71,15 +71,16 @@ def layerwise_prefill(model, cache, ids: torch.Tensor, start: int, block_size: i
         raise ValueError("nothing to prefill")
     positions = torch.arange(start, start + total, device=ids.device).unsqueeze(0)
     hidden = parts.embed(ids.unsqueeze(0))
-    cos, sin = parts.rotary(hidden, positions)
     n_layers = len(parts.layers)
     for i, layer in enumerate(parts.layers):
         for begin in range(0, total, block_size):
             end = min(begin + block_size, total)
+            block, pos = hidden[:, begin:end], positions[:, begin:end]
+            # per block: the rotary tables of a whole long document would be one more layer-sized tensor
+            rotary = parts.rotary(block, pos)
             # in place: a block's input is needed only by that block (earlier tokens are in the cache)
-            hidden[:, begin:end] = layer(hidden[:, begin:end], attention_mask=None,
-                                         position_ids=positions[:, begin:end], cache=cache, use_cache=True,
-                                         position_embeddings=(cos[:, begin:end], sin[:, begin:end]))
+            hidden[:, begin:end] = layer(block, attention_mask=None, position_ids=pos, cache=cache,
+                                         use_cache=True, position_embeddings=rotary)
         if on_layer_done is not None:
             on_layer_done(i)
         if progress is not None:
