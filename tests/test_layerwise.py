@@ -10,14 +10,23 @@ import torch
 from s4r.attention import install
 from s4r.budget import KVShape
 from s4r.cache import S4RCache
+from s4r.config import S4RConfig
 from s4r.errors import BudgetError, S4RError
 from s4r.generation import prefill
 from s4r.layers import FullLayer
 from s4r.layerwise import decoder_parts, layerwise_prefill
+from s4r.methods.offline import calibrate, clear_calibrations
 from s4r.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(autouse=True)
+def _no_calibrations():
+    clear_calibrations()
+    yield
+    clear_calibrations()
 TEXT = "".join(chr(97 + (i * 7919) % 26) for i in range(900))
 
 
@@ -50,9 +59,12 @@ def test_logits_and_cache_match_chunked_prefill(arch):
         torch.testing.assert_close(a.queries, b.queries, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["full", "s4r", "s4r-paper", "snapkv", "streaming", "svd"])
+@pytest.mark.parametrize("method", ["full", "s4r", "s4r-paper", "snapkv", "streaming", "svd", "offline"])
 def test_sessions_agree_for_every_method(method):
     loaded = loaded_for(tiny_model("qwen3"))
+    if method == "offline":
+        ids = torch.randint(0, 128, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+        calibrate(loaded.model, ids, S4RConfig(ratio=2.0))
     results = {}
     for mode in ("chunked", "layerwise"):
         session = Session(loaded, method=method, ratio=2.0, ingest=mode, chunk_size=128)
@@ -132,3 +144,20 @@ def test_unreachable_ratio_leaves_no_cache():
     # and the session is still usable at a ratio that fits
     session = Session(loaded, method="s4r", ratio=2.0)
     assert session.ingest(TEXT).mode == "layerwise"
+
+
+def test_interrupted_append_leaves_the_documents_as_they_were():
+    loaded = loaded_for(tiny_model("llama", num_hidden_layers=6))
+    session = Session(loaded, method="s4r", ratio=2.0, chunk_size=128)
+    session.ingest(TEXT)
+    length = session.logical_length
+
+    def stop_at_third_layer(done: int, total: int) -> None:
+        if done >= 3 * total // session.shape.layers:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        session.ingest(TEXT[:300], progress=stop_at_third_layer)
+    # every layer agrees again on the length before the append, and the session still answers
+    assert {layer.get_seq_length() for layer in session.cache.layers} == {length}
+    assert session.ask("what?", max_new_tokens=3)[1].generated_tokens >= 0
