@@ -86,3 +86,42 @@ def layerwise_prefill(model, cache, ids: torch.Tensor, start: int, block_size: i
         if progress is not None:
             progress(total * (i + 1) // n_layers, total)
     return parts.lm_head(parts.norm(hidden[:, -1:]))[0, -1]
+
+
+def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: int, *,
+                     compress: Callable[[], None] | None,
+                     progress: Callable[[int, int], None] | None = None,
+                     after_layer: Callable[[], None] | None = None) -> torch.Tensor:
+    """Layer-wise prefill of `ids` into an `S4RCache`, keeping at most one layer's full K/V.
+
+    With `compress` (a fresh cache), it runs once layer 0 holds the whole text: the method plans from
+    the token count and calls `cache.compress(build)` as usual, which builds layer 0 and keeps `build`
+    for the layers still held; each later layer is built as soon as it is complete. Without it (text
+    appended to a compressed cache), each layer folds its new tokens into its compressed form as soon as
+    it has them. `after_layer` runs after each layer (to give freed memory back). Returns the last
+    token's logits. On any error the held layers are let go; the caller restores or drops the cache.
+    """
+    fresh = compress is not None
+    total = ids.shape[0]
+    dtype = model.get_input_embeddings().weight.dtype
+
+    def layer_done(i: int) -> None:
+        if fresh and i == 0:
+            compress()
+        elif fresh:
+            cache.release_layer(i)
+        elif hasattr(cache.layers[i], "compact"):
+            cache.layers[i].compact()
+        if after_layer is not None:
+            after_layer()
+        # the next layer's storage only once this one is compressed and freed
+        if fresh and i + 1 < len(cache.layers):
+            cache.reserve_layer(i + 1, total, dtype, ids.device)
+
+    if fresh:
+        cache.hold_layers(range(1, len(cache.layers)))
+        cache.reserve_layer(0, total, dtype, ids.device)
+    try:
+        return layerwise_prefill(model, cache, ids, start, block_size, layer_done, progress)
+    finally:
+        cache.hold_layers(())

@@ -17,7 +17,7 @@ from .cache import S4RCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import forward_tokens, prefill, sample_token
-from .layerwise import LAYERWISE_BLOCK, decoder_parts, layerwise_prefill
+from .layerwise import LAYERWISE_BLOCK, decoder_parts, ingest_layerwise
 from .memory import (
     MemoryReport,
     ProcessMemory,
@@ -283,32 +283,15 @@ class Session:
 
     def _layerwise(self, ids: torch.Tensor, start: int, fresh: bool,
                    progress: Callable[[int, int], None] | None) -> None:
-        """Layer-wise prefill; a fresh cache is compressed layer by layer with the method's own per-layer
-        build (the method plans from layer 0, which then holds the whole text), appended text is folded
-        into each compressed layer as soon as that layer has it."""
-        cache = self.cache
-        dtype = self.model.get_input_embeddings().weight.dtype
-        if fresh:
-            cache.hold_layers(range(1, len(cache.layers)))
-            cache.reserve_layer(0, ids.shape[0], dtype, self.device)
+        """Layer-wise prefill (see `s4r.layerwise.ingest_layerwise`); a fresh cache is compressed with the
+        method's own per-layer build as its layers complete."""
+        def compress() -> None:
+            self.compress_info = self._method.compress(
+                self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
 
-        def layer_done(i: int) -> None:
-            if fresh and i + 1 < len(cache.layers):
-                cache.reserve_layer(i + 1, ids.shape[0], dtype, self.device)
-            if fresh and i == 0:
-                self.compress_info = self._method.compress(
-                    cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
-            elif fresh:
-                cache.release_layer(i)
-            elif hasattr(cache.layers[i], "compact"):
-                cache.layers[i].compact()
-            release_freed_memory(self.device)
-
-        try:
-            block = min(self.chunk_size, LAYERWISE_BLOCK)
-            layerwise_prefill(self.model, cache, ids, start, block, layer_done, progress)
-        finally:
-            cache.hold_layers(())
+        ingest_layerwise(self.model, self.cache, ids, start, min(self.chunk_size, LAYERWISE_BLOCK),
+                         compress=compress if fresh else None, progress=progress,
+                         after_layer=lambda: release_freed_memory(self.device))
 
     def _compress(self) -> None:
         with torch.inference_mode():
