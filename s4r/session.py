@@ -291,7 +291,8 @@ class Session:
 
         ingest_layerwise(self.model, self.cache, ids, start, min(self.chunk_size, LAYERWISE_BLOCK),
                          compress=compress if fresh else None, progress=progress,
-                         after_layer=lambda: release_freed_memory(self.device))
+                         # host heap only: emptying the CUDA cache per layer would only cost time
+                         after_layer=release_freed_memory)
 
     def _compress(self) -> None:
         with torch.inference_mode():
