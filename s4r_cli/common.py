@@ -440,10 +440,10 @@ class CommonArgs:
     def session_kwargs(self, *, only_explicit: bool = False) -> dict[str, Any]:
         """Keyword arguments for Session(...) / Session.load(...)."""
         kw: dict[str, Any] = {"method": self.method, "ratio": self.ratio, "system": self.system,
-                              "truncate": self.truncate.value if self.truncate else None}
+                              "truncate": self.truncate.value if self.truncate else None,
+                              "ingest": self.ingest.value}
         if only_explicit:
             kw = {k: v for k, v in kw.items() if k in self.explicit}
-        kw["ingest"] = self.ingest.value  # how to read documents, never part of a saved cache
         return kw
 
 
@@ -453,7 +453,7 @@ def common_args(ctx: typer.Context, *, model: str, device: str, dtype: Dtype, qu
                 seed: int | None, rope_scaling: float | None = None,
                 ingest: Ingest = Ingest.layerwise) -> CommonArgs:
     """Bundle the shared options of a command into a validated CommonArgs."""
-    explicit = {name for name in ("method", "ratio", "system", "truncate")
+    explicit = {name for name in ("method", "ratio", "system", "truncate", "ingest")
                 if (src := ctx.get_parameter_source(name)) is not None and src.name != "DEFAULT"}
     args = CommonArgs(model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                       truncate=truncate, rope_scaling=rope_scaling, system=system, files=list(files or []),
