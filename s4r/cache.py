@@ -21,6 +21,9 @@ class S4RCache(Cache):
     def __init__(self, num_layers: int, shape: KVShape, query_window: int = 32) -> None:
         super().__init__(layers=[FullLayer(query_window) for _ in range(num_layers)])
         self.shape = shape
+        # layer-wise ingest: staging layers still being filled, and the build waiting for them
+        self._held: set[int] = set()
+        self._pending_build: Callable[[int, FullLayer], S4RLayerBase] | None = None
 
     # --- accounting -------------------------------------------------------------------------------
     def logical_length(self) -> int:
@@ -47,10 +50,42 @@ class S4RCache(Cache):
 
     def compress(self, build: Callable[[int, FullLayer], S4RLayerBase]) -> None:
         """Replace every staging layer by `build(layer_idx, staging_layer)`, one layer at a time so the
-        peak memory is the full cache plus one compressed layer."""
+        peak memory is the full cache plus one compressed layer.
+
+        Layers held by a layer-wise ingest (`hold_layers`) are not complete yet: `build` is kept and
+        applied to each of them when it is released.
+        """
         for i, layer in enumerate(self.layers):
-            if type(layer) is FullLayer:
+            if type(layer) is FullLayer and i not in self._held:
                 self.layers[i] = build(i, layer)
+        self._pending_build = build if self._held else None
+
+    def hold_layers(self, indices) -> None:
+        """Mark staging layers as still being filled, so `compress` waits for `release_layer`."""
+        self._held = set(indices)
+        if not self._held:
+            self._pending_build = None
+
+    def reserve_layer(self, i: int, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Size the empty staging layer `i` for `tokens` tokens at once: a layer-wise ingest knows the
+        length up front, and growing by doubling would hold up to 1.5x a layer during the last copy."""
+        layer = self.layers[i]
+        if type(layer) is not FullLayer or layer.logical:
+            return
+        shape = (1, self.shape.kv_heads, tokens, self.shape.head_dim)
+        # one update of `tokens` (broadcast zeros, nothing allocated for them) sizes the storage exactly;
+        # the length goes back to 0 so the real keys/values fill it from the start
+        nothing = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        layer.update(nothing, nothing)
+        layer.truncate(0)
+
+    def release_layer(self, i: int) -> None:
+        """Layer `i` holds its whole text now: compress it if a method's build is waiting for it."""
+        self._held.discard(i)
+        if self._pending_build is not None and type(self.layers[i]) is FullLayer:
+            self.layers[i] = self._pending_build(i, self.layers[i])
+        if not self._held:
+            self._pending_build = None
 
     def copy_staged(self) -> S4RCache:
         """An independent copy of a staged (uncompressed) cache."""

@@ -32,12 +32,13 @@ def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
     heads, total, _ = keys.shape
     s = min(cfg.sinks, total)
     groups = heads if cfg.granularity == "head" else 1
-    k_rest = keys[:, s:].float()
+    k_rest = keys[:, s:]
     if cfg.key_space == "pre_rope":
         if rope is None:
             raise ValueError("pre-RoPE keys need the model's rotary embedding")
-        k_rest = undo_rope(k_rest, *(t.float() for t in rope(torch.arange(s, total))))
-    return to_groups(k_rest, groups), to_groups(values[:, s:].float(), groups)
+        k_rest = undo_rope(k_rest.float(), *(t.float() for t in rope(torch.arange(s, total))))
+    # group first, then widen to fp32: a long layer never holds two fp32 copies of its keys or values
+    return to_groups(k_rest, groups).float(), to_groups(values[:, s:], groups).float()
 
 
 def _fit(groups: torch.Tensor, idx: torch.Tensor, cfg: S4RConfig,
@@ -62,9 +63,14 @@ def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, ro
 
 
 def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """Per token [N]: squared projection error over squared norm, summed over basis groups."""
-    err = x - torch.matmul(torch.matmul(x, basis), basis.transpose(1, 2))
-    return err.pow(2).sum(dim=(0, 2)) / x.pow(2).sum(dim=(0, 2)).clamp_min(1e-12)
+    """Per token [N]: squared projection error over squared norm, summed over basis groups.
+
+    The basis is orthonormal, so the error is the energy the coefficients do not capture; no residual
+    as large as `x` is built (that was the biggest transient of a long layer's compression).
+    """
+    total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
+    captured = torch.matmul(x, basis).pow(2).sum(dim=(0, 2))
+    return (total - captured).clamp_min(0) / total.clamp_min(1e-12)
 
 
 def outlier_tokens(k_groups: torch.Tensor, v_groups: torch.Tensor, basis_k: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +17,25 @@ from .cache import S4RCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
-from .memory import MemoryReport, peak_memory_bytes
+from .layerwise import LAYERWISE_BLOCK, decoder_parts, ingest_layerwise
+from .memory import (
+    MemoryReport,
+    ProcessMemory,
+    bound_heap_growth,
+    peak_memory_bytes,
+    process_memory,
+    release_freed_memory,
+)
 from .methods import METHODS, CompressContext, FullMethod, make_method
 from .persist import load_cache, read_header, save_cache
 from .ratio_limits import method_max_ratio
 from .rope import model_rope_fn
 
-__all__ = ["METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
+__all__ = ["INGEST_MODES", "METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
+
+# how documents are prefilled: layer by layer, compressing each layer when complete (the default where it
+# applies), or in token chunks through the whole model into a full staging cache compressed at the end
+INGEST_MODES: tuple[str, ...] = ("layerwise", "chunked")
 
 # tokens kept free after the documents for the question and the start of an answer
 ANSWER_HEADROOM = 512
@@ -32,12 +44,19 @@ STAGING_QUERY_WINDOW = 64
 
 @dataclass(frozen=True)
 class IngestStats:
-    """Timing of one ingest: prefill (model forward) and compression."""
+    """Timing of one ingest: prefill (model forward) and compression.
+
+    `mode` is how it ran ("layerwise" or "chunked"; a layer-wise ingest compresses during the prefill,
+    so its compression time is counted in `prefill_seconds`). `peak_mem_bytes` is the process's
+    measured peak after it (see `s4r.memory.peak_memory_bytes`), not the cache's bytes.
+    """
 
     tokens: int
     seconds: float
     prefill_seconds: float
     compress_seconds: float
+    mode: str = "chunked"
+    peak_mem_bytes: int = 0
     # document tokens --truncate left out (0 when the document fitted)
     dropped_tokens: int = 0
 
@@ -48,7 +67,9 @@ class IngestStats:
 
 @dataclass(frozen=True)
 class TurnStats:
-    """Figures of one question/answer turn."""
+    """Figures of one question/answer turn. `peak_mem_bytes` is the process's measured peak (RSS on CPU,
+    CUDA allocated on GPU; see `s4r.memory.peak_memory_bytes`), weights included, not the cache's bytes
+    (those are in `memory`)."""
 
     prompt_tokens: int
     generated_tokens: int
@@ -93,15 +114,20 @@ class Session:
     """A long-document chat over one model with one KV-cache method.
 
     `loaded` is an `s4r.loading.LoadedModel` (or anything with model, tokenizer, name, device, dtype and
-    context_length). The documents are prefilled in chunks and compressed once; questions and answers
-    go through the compressed cache.
+    context_length). `ingest="layerwise"` (the default) prefills documents one decoder layer at a
+    time and compresses each layer as soon as it is complete, so an ingest never holds the full cache;
+    it falls back to token chunks (`"chunked"`: a full staging cache, compressed once at the end) where
+    the model or the method cannot go layer by layer (`ingest_mode_for` says which and why). Questions
+    and answers go through the compressed cache.
     """
 
     def __init__(self, loaded, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
                  truncate: str | None = None, config_overrides: dict[str, Any] | None = None,
-                 chunk_size: int = 512) -> None:
+                 chunk_size: int = 512, ingest: str = "layerwise") -> None:
         if method != "full" and not ratio >= 1.0:
             raise BudgetError(f"ratio must be at least 1, got {ratio:g}")
+        if ingest not in INGEST_MODES:
+            raise S4RError(f"unknown ingest mode '{ingest}' (choose {' or '.join(INGEST_MODES)})")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -113,6 +139,7 @@ class Session:
         self.truncate = truncate
         self.config_overrides = dict(config_overrides or {})
         self.chunk_size = chunk_size
+        self.ingest_mode = ingest
         try:
             self._method = make_method(method, ratio, self.config_overrides)
         except ValueError as exc:
@@ -132,6 +159,7 @@ class Session:
         self._doc_checkpoint: tuple[int, str] | None = None
         self._stop_ids = self._stop_token_ids()
         self.compress_seconds = 0.0
+        self.last_ingest: IngestStats | None = None
 
     # --- helpers ----------------------------------------------------------------------------------
     def _stop_token_ids(self) -> set[int]:
@@ -168,6 +196,10 @@ class Session:
         """Tokens the model has seen in this session."""
         return self.cache.logical_length() if self.cache is not None else 0
 
+    def process_memory(self) -> ProcessMemory:
+        """The whole process's measured peak and current memory (RSS on CPU, CUDA allocated on GPU)."""
+        return process_memory(self.device)
+
     def memory(self) -> MemoryReport:
         """Stored KV bytes, the uncompressed equivalent and the token count now."""
         if self.cache is None:
@@ -201,17 +233,33 @@ class Session:
         ids = head_ids + doc_ids
         stats = self._ingest_ids(ids, progress, compress)
         if dropped:
-            stats = IngestStats(stats.tokens, stats.seconds, stats.prefill_seconds, stats.compress_seconds,
-                                dropped)
+            stats = replace(stats, dropped_tokens=dropped)
+        self.last_ingest = stats
         self.document_tokens += len(doc_ids)
         self.documents.append(name or f"document {len(self.documents) + 1}")
         self._state = "open"
         self._doc_checkpoint = (self.logical_length, self._state)
         return stats
 
+    def ingest_mode_for(self, compress: bool = True) -> tuple[str, str]:
+        """(mode, reason) the next ingest will use: "layerwise" where this session asks for it and it
+        applies, else "chunked" with the reason."""
+        if self.ingest_mode == "chunked":
+            return "chunked", "asked for"
+        if decoder_parts(self.model) is None:
+            return "chunked", "the model's architecture is not a plain decoder stack layer-wise knows"
+        if self.cache is None and not compress:
+            return "chunked", "the staged cache is kept whole for fork"
+        if self.cache is None and not getattr(self._method, "layerwise", False):
+            return "chunked", f"method {self.method} needs every layer before it compresses any"
+        return "layerwise", ""
+
     def _ingest_ids(self, ids: list[int], progress: Callable[[int, int], None] | None,
                     compress: bool = True) -> IngestStats:
         tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        mode = self.ingest_mode_for(compress)[0]
+        if self.device.type == "cpu":
+            bound_heap_growth()
         fresh = self.cache is None
         if fresh:
             self.cache = self._new_cache()
@@ -219,16 +267,20 @@ class Session:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
-        except KeyboardInterrupt:
-            # an interrupted ingest leaves the session as it was before it
+                if mode == "layerwise":
+                    self._layerwise(tensor, start, fresh, progress)
+                else:
+                    prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
+        except BaseException:
+            # an interrupted or failed ingest (Ctrl-C, out of memory, a ratio a layer-wise ingest finds
+            # unreachable after its first layer) leaves the session as it was before it
             if fresh:
                 self.cache = None
             else:
                 self.cache.truncate(start)
             raise
         t1 = time.perf_counter()
-        if fresh and compress:
+        if mode == "chunked" and fresh and compress:
             try:
                 self._compress(fallback=True)
             except S4RError:
@@ -237,7 +289,21 @@ class Session:
         elif not fresh:
             self.cache.compact()
         t2 = time.perf_counter()
-        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1)
+        # the freed staging buffers go back to the OS instead of staying in the process's heap
+        release_freed_memory(self.device)
+        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1, mode, peak_memory_bytes(self.device))
+
+    def _layerwise(self, ids: torch.Tensor, start: int, fresh: bool,
+                   progress: Callable[[int, int], None] | None) -> None:
+        """Layer-wise prefill (see `s4r.layerwise.ingest_layerwise`); a fresh cache is compressed with the
+        method's own per-layer build as its layers complete."""
+        def compress() -> None:
+            self._compress(fallback=True)
+
+        ingest_layerwise(self.model, self.cache, ids, start, min(self.chunk_size, LAYERWISE_BLOCK),
+                         compress=compress if fresh else None, progress=progress,
+                         # host heap only: emptying the CUDA cache per layer would only cost time
+                         after_layer=release_freed_memory)
 
     def _compress(self, *, fallback: bool = False) -> None:
         """Compress the staged cache. With `fallback`, a ratio that cannot pay for itself at this length

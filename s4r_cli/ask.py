@@ -16,6 +16,8 @@ from s4r_cli.common import (
     Dtype,
     DtypeOpt,
     FileOpt,
+    Ingest,
+    IngestOpt,
     LoadOpt,
     LoopGuardOpt,
     MaxNewTokensOpt,
@@ -57,6 +59,7 @@ def ask(
     method: MethodOpt = "s4r",
     truncate: TruncateOpt = None,
     rope_scaling: RopeScalingOpt = None,
+    ingest: IngestOpt = Ingest.layerwise,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = Dtype.auto,
     quant: QuantOpt = Quant.none,
@@ -70,7 +73,9 @@ def ask(
     threads: ThreadsOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Model, cache and speed stats on stderr.")]
     = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (answer and stats) instead.")]
+    as_json: Annotated[bool, typer.Option("--json", help=(
+        "Print one JSON object (answer and stats) instead; its peak_mem_bytes is the process's measured "
+        "peak memory."))]
     = False,
 ) -> None:
     """Answer one question about a document (--file, --book, or text piped on stdin).
@@ -82,7 +87,8 @@ def ask(
     args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                        truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling, books=book,
-                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard)
+                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard,
+                       ingest=ingest)
     with pipe_guard():
         code = run_ask(args, question, verbose=verbose, as_json=as_json)
     if code:
@@ -129,7 +135,9 @@ def result_record(answer: str, stats: Any, args: CommonArgs, loaded: Any, sessio
         "ttft_s": stats.ttft_s,
         "prefill_tok_s": stats.prefill_tok_s,
         "decode_tok_s": stats.decode_tok_s,
+        # the process's measured peak (RSS on CPU, CUDA allocated on GPU), weights included: not the cache
         "peak_mem_bytes": stats.peak_mem_bytes,
+        "ingest_mode": session.last_ingest.mode if getattr(session, "last_ingest", None) else None,
         "ingest_s": ingest_seconds,
         "device": str(loaded.device),
         "dtype": short_dtype(loaded.dtype),

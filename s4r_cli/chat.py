@@ -14,6 +14,8 @@ from s4r_cli.common import (
     Dtype,
     DtypeOpt,
     FileOpt,
+    Ingest,
+    IngestOpt,
     LoadOpt,
     LoopGuardOpt,
     MaxNewTokensOpt,
@@ -54,6 +56,7 @@ def chat(
     method: MethodOpt = "s4r",
     truncate: TruncateOpt = None,
     rope_scaling: RopeScalingOpt = None,
+    ingest: IngestOpt = Ingest.layerwise,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = Dtype.auto,
     quant: QuantOpt = Quant.none,
@@ -74,7 +77,8 @@ def chat(
     args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                        truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling, books=book,
-                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard)
+                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard,
+                       ingest=ingest)
     with pipe_guard():
         code = run_chat(args)
     if code:

@@ -71,6 +71,13 @@ class Truncate(str, Enum):
     middle = "middle"
 
 
+class Ingest(str, Enum):
+    """Choices for --ingest: how documents are prefilled into the cache."""
+
+    layerwise = "layerwise"
+    chunked = "chunked"
+
+
 # -- option declarations (used by both chat.py and ask.py so they are defined once) -----------------------
 
 _MODEL = "Model"
@@ -99,6 +106,10 @@ TruncateOpt = Annotated[Truncate | None, typer.Option(
     "--truncate", case_sensitive=False, rich_help_panel=_CACHE,
     help="If a document is longer than the context: head keeps its start, tail its end, middle cuts out "
          "the middle and keeps both ends. Default: refuse (exit 2).")]
+IngestOpt = Annotated[Ingest, typer.Option(
+    "--ingest", case_sensitive=False, rich_help_panel=_CACHE,
+    help="layerwise: one model layer at a time, each compressed when done (never the full cache; "
+         "chunked where it cannot apply); chunked: the whole model per chunk, compressed at the end.")]
 RopeScalingOpt = Annotated[float | None, typer.Option(
     "--rope-scaling", metavar="FACTOR", rich_help_panel=_MODEL, show_default=False,
     help="Stretch the model's context FACTOR times (above 1, at most 8) by rescaling its RoPE; "
@@ -355,6 +366,7 @@ class CommonArgs:
     method: str = "s4r"
     truncate: Truncate | None = None
     rope_scaling: float | None = None
+    ingest: Ingest = Ingest.layerwise
     system: str | None = None
     files: list[str] = field(default_factory=list)
     books: list[str] = field(default_factory=list)
@@ -377,7 +389,8 @@ class CommonArgs:
     def session_kwargs(self, *, only_explicit: bool = False) -> dict[str, Any]:
         """Keyword arguments for Session(...) / Session.load(...)."""
         kw: dict[str, Any] = {"method": self.method, "ratio": self.ratio, "system": self.system,
-                              "truncate": self.truncate.value if self.truncate else None}
+                              "truncate": self.truncate.value if self.truncate else None,
+                              "ingest": self.ingest.value}
         if only_explicit:
             kw = {k: v for k, v in kw.items() if k in self.explicit}
         return kw
@@ -388,13 +401,13 @@ def common_args(ctx: typer.Context, *, model: str, device: str, dtype: Dtype, qu
                 load: str | None, max_new_tokens: int, temperature: float, top_p: float,
                 seed: int | None, rope_scaling: float | None = None, books: list[str] | None = None,
                 threads: int | None = None, repeat_penalty: float = 1.1,
-                loop_guard: bool = True) -> CommonArgs:
+                loop_guard: bool = True, ingest: Ingest = Ingest.layerwise) -> CommonArgs:
     """Bundle the shared options of a command into a validated CommonArgs."""
-    explicit = {name for name in ("method", "ratio", "system", "truncate")
+    explicit = {name for name in ("method", "ratio", "system", "truncate", "ingest")
                 if (src := ctx.get_parameter_source(name)) is not None and src.name != "DEFAULT"}
     args = CommonArgs(model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
                       truncate=truncate, rope_scaling=rope_scaling, system=system, files=list(files or []),
-                      books=list(books or []), load=load, threads=threads,
+                      books=list(books or []), load=load, threads=threads, ingest=ingest,
                       generation=GenerationSettings(max_new_tokens, temperature, top_p, seed, repeat_penalty,
                                                     loop_guard),
                       explicit=frozenset(explicit))

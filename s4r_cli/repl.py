@@ -36,7 +36,7 @@ from s4r_cli.common import (
 )
 from s4r_cli.documents import read_document_file
 from s4r_cli.session_setup import ingest, report_uncompressed
-from s4r_cli.ui import UI, is_tty, mib, seconds, stop_notice, turn_stats_line
+from s4r_cli.ui import UI, is_tty, mib, process_memory_text, seconds, stop_notice, turn_stats_line
 
 EXIT_INTERRUPTED = 130
 
@@ -149,6 +149,7 @@ class CommandHandler:
             ("documents", f"{s.document_tokens:,} tokens, {self._documents_origin()}"),
             ("KV cache", f"{mem.tokens:,} tokens: {mib(mem.full_bytes)} full → {mib(mem.stored_bytes)} "
                          f"stored (×{mem.ratio:.2f} achieved)"),
+            ("memory", process_memory_text(s.process_memory(), s.last_ingest)),
             ("settings", g.describe()),
             ("last turn", turn_stats_line(last) if (last := self.state.last_stats) else "no question yet"),
         ]

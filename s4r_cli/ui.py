@@ -108,6 +108,16 @@ def memory_size(n: float) -> str:
 STATS_LINE_MAX = 110
 
 
+def process_memory_text(proc: Any, ingest: Any = None) -> str:
+    """The process's measured memory (not only the cache), and how the last document was ingested."""
+    text = f"process peak {mib(proc.peak_bytes)} {proc.kind}"
+    if proc.current_bytes is not None:
+        text += f", now {mib(proc.current_bytes)}"
+    if ingest is not None:
+        text += f" · last document ingested {ingest.mode}"
+    return text
+
+
 def turn_stats_line(stats: Any, width: int = STATS_LINE_MAX) -> str:
     """One line after each answer: latency, speeds, cache size and achieved ratio, peak memory.
 

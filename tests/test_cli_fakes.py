@@ -81,10 +81,18 @@ class FakeIngestStats:
     prefill_seconds: float
     compress_seconds: float
     dropped_tokens: int = 0
+    mode: str = "layerwise"
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class FakeProcessMemory:
+    peak_bytes: int = 300 * 2**20
+    current_bytes: int | None = 250 * 2**20
+    kind: str = "RSS"
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,10 @@ class FakeSession:
     """Word-count "tokens"; answers the passphrase question from the documents."""
 
     def __init__(self, loaded: Any, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
-                 truncate: str | None = None, config_overrides: dict | None = None):
+                 truncate: str | None = None, config_overrides: dict | None = None,
+                 ingest: str = "layerwise"):
         self.loaded, self.method, self.ratio_requested = loaded, method, float(ratio)
+        self.ingest_mode, self.last_ingest = ingest, None
         self.system, self.truncate, self.config_overrides = system, truncate, config_overrides
         self.uncompressed_reason: str | None = None
         self.docs: list[str] = []
@@ -139,7 +149,11 @@ class FakeSession:
         if progress:
             progress(len(words), len(words))
         self.docs.append(" ".join(words))
-        return FakeIngestStats(len(words), 0.5, 0.4, 0.1, total - len(words))
+        self.last_ingest = FakeIngestStats(len(words), 0.5, 0.4, 0.1, total - len(words), self.ingest_mode)
+        return self.last_ingest
+
+    def process_memory(self) -> FakeProcessMemory:
+        return FakeProcessMemory()
 
     def memory(self) -> FakeMemoryReport:
         tokens = self.document_tokens + sum(len(q.split()) + len(a.split()) for q, a in self.turns)

@@ -22,6 +22,10 @@ class Method(Protocol):
 
     name: str
     query_window: int
+    # optional: True when `compress` only needs the token count before building each layer from that
+    # layer alone, so a layer-wise ingest can compress every layer as soon as it is complete (a method
+    # without it is given the whole staged cache after a token-chunked prefill)
+    layerwise: bool
 
     def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
         """Compress `cache` in place after prefill; return what it chose (ranks, kept tokens...)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..cache import S4RCache
 from .base import CompressContext
@@ -14,6 +15,7 @@ class FullMethod:
 
     name: str = "full"
     query_window: int = 0
+    layerwise: ClassVar[bool] = True
 
     def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
         for layer in cache.layers:

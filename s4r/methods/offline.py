@@ -145,6 +145,11 @@ class OfflineMethod:
     def query_window(self) -> int:
         return self.config.query_window
 
+    @property
+    def layerwise(self) -> bool:
+        """Ranks come from the calibration's spectra, so each layer compresses on its own."""
+        return True
+
     def calibrate(self, source: Any, text: str | Sequence[int] | torch.Tensor | None = None, *,
                   tokenizer: Any = None, max_tokens: int = CALIBRATION_TOKENS, chunk_size: int = 512,
                   register: bool = True) -> Calibration:

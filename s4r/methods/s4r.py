@@ -22,6 +22,11 @@ class S4RMethod:
     def query_window(self) -> int:
         return self.config.query_window
 
+    @property
+    def layerwise(self) -> bool:
+        """Per-layer unless ranks are spread over layers by energy (that needs every layer's spectrum)."""
+        return not (self.config.rank_alloc == "energy" and self.config.rank_k is None)
+
     def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
         cfg = self.config
         tokens = cache.logical_length()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -71,6 +71,7 @@ class SnapKVMethod:
     reserve: int = 64
     ratio: float | None = None
     scaling: float | None = None
+    layerwise: ClassVar[bool] = True
 
     @classmethod
     def from_config(cls, cfg: S4RConfig) -> SnapKVMethod:

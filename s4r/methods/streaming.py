@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,7 @@ class StreamingMethod:
 
     name: str = "streaming"
     query_window: int = 0  # needs no queries
+    layerwise: ClassVar[bool] = True
     sinks: int = 4
     reserve: int = 64
     ratio: float | None = None
