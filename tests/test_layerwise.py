@@ -11,7 +11,7 @@ from s4r.attention import install
 from s4r.budget import KVShape
 from s4r.cache import S4RCache
 from s4r.config import S4RConfig
-from s4r.errors import BudgetError, S4RError
+from s4r.errors import S4RError
 from s4r.generation import prefill
 from s4r.layers import FullLayer
 from s4r.layerwise import decoder_parts, layerwise_prefill
@@ -135,12 +135,14 @@ def test_unknown_architecture_is_not_layerwise():
     assert Session(loaded_for(model)).ingest_mode_for()[0] == "chunked"
 
 
-def test_unreachable_ratio_leaves_no_cache():
+def test_ratio_unreachable_at_this_length_keeps_the_layerwise_cache_uncompressed():
     loaded = loaded_for(tiny_model("llama"))
     session = Session(loaded, method="s4r", ratio=50.0)
-    with pytest.raises(BudgetError):
-        session.ingest(TEXT[:200])
-    assert session.cache is None
+    stats = session.ingest(TEXT[:200])
+    assert stats.mode == "layerwise"
+    assert session.method == "full" and session.uncompressed_reason
+    assert not session.cache.is_compressed()
+    assert session.memory().ratio == pytest.approx(1.0)
     # and the session is still usable at a ratio that fits
     session = Session(loaded, method="s4r", ratio=2.0)
     assert session.ingest(TEXT).mode == "layerwise"
