@@ -243,10 +243,13 @@ def test_internal_error_traceback_with_debug(tmp_path: Path, book: Path) -> None
 def _sigint_when_marked(args: list[str], tmp_path: Path) -> tuple[int, str, str]:
     marker = tmp_path / "marker"
     env = {**os.environ, "S4R_HOME": str(tmp_path / "home"), "S4R_FAKE_MARKER": str(marker)}
+    # A suite started in the background (`nohup pytest &`, some CI runners) inherits SIGINT ignored, and
+    # Python then never turns SIGINT into KeyboardInterrupt: the child ran on and exited 0. Restore the
+    # default so the child gets what a terminal's Ctrl-C gives it.
     proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCHER, *args], cwd=tmp_path, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    # generous waits: on a machine loaded tenfold, starting Python and importing typer and rich alone
-    # took over 30 s, and the SIGINT then came before the marker (the test timed out)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # generous waits for a loaded machine (startup and imports can take tens of seconds there)
     deadline = time.monotonic() + 180
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)

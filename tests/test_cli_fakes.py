@@ -181,8 +181,8 @@ class FakeSession:
         if question == "LONG":
             pieces = ["x" * 99 + "\n"] * 10_000
         elif question == "SLEEP":
-            # 60 pieces of 0.5 s: the test's SIGINT lands mid-answer however late a loaded machine sends
-            # it (with 3 pieces the answer could end first and the process rightly exit 0)
+            # 60 pieces of 0.5 s: the test's SIGINT lands mid-answer even when a loaded machine delays it
+            # by seconds (3 pieces left it 1.5 s)
             pieces = [f"You{i} " for i in range(60)]
         elif question == "LOOP":
             pieces = ["again "] * (8 if loop_guard else 600)
