@@ -124,6 +124,7 @@ class Session:
         self._doc_checkpoint: tuple[int, str] | None = None
         self._stop_ids = self._stop_token_ids()
         self.compress_seconds = 0.0
+        self._staged_ids: list[int] | None = None
 
     # --- helpers ----------------------------------------------------------------------------------
     def _stop_token_ids(self) -> set[int]:
@@ -202,6 +203,7 @@ class Session:
         fresh = self.cache is None
         if fresh:
             self.cache = self._new_cache()
+            self._staged_ids = list(ids)  # methods that re-read the prompt (kvzip) need its ids
         start = self.logical_length
         t0 = time.perf_counter()
         try:
@@ -226,10 +228,13 @@ class Session:
         t2 = time.perf_counter()
         return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1)
 
+    def _compress_context(self) -> CompressContext:
+        return CompressContext(rope=self.rope, ratio=self.ratio_requested, model=self.model,
+                               tokenizer=self.tokenizer, ids=self._staged_ids)
+
     def _compress(self) -> None:
         with torch.inference_mode():
-            self.compress_info = self._method.compress(
-                self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+            self.compress_info = self._method.compress(self.cache, self._compress_context())
 
     def fork(self, *, method: str, ratio: float, config_overrides: dict[str, Any] | None = None) -> Session:
         """A new session over a copy of this one's staged (uncompressed) documents, compressed with
@@ -239,6 +244,7 @@ class Session:
         other = Session(self.loaded, method=method, ratio=ratio, system=self.system, truncate=self.truncate,
                         config_overrides=config_overrides, chunk_size=self.chunk_size)
         other.cache = self.cache.copy_staged()
+        other._staged_ids = self._staged_ids
         other.document_tokens, other.documents = self.document_tokens, list(self.documents)
         other._state, other._doc_checkpoint = self._state, self._doc_checkpoint
         t0 = time.perf_counter()
@@ -274,6 +280,7 @@ class Session:
         if self.cache is None:
             # no document: the question itself is the prompt that gets compressed (when it can be)
             self.cache = self._new_cache()
+            self._staged_ids = list(ids)
             fresh = True
         else:
             fresh = False
@@ -289,8 +296,7 @@ class Session:
                 logits = prefill(self.model, self.cache, tensor, start_len, self.chunk_size)
                 if fresh:
                     try:
-                        self.compress_info = self._method.compress(
-                            self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+                        self.compress_info = self._method.compress(self.cache, self._compress_context())
                     except BudgetError:
                         self.compress_info = {"note": "prompt too short to compress; kept in full"}
                 self._state = "closed"
