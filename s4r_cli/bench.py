@@ -113,19 +113,33 @@ def parse_length_list(text: str | None) -> tuple[int, ...] | None:
 
 
 def parse_tasks(text: str | None) -> tuple[str, ...] | None:
-    """Comma-separated task names (see s4r.bench.tasks.TASKS); `all` means every task."""
+    """Comma-separated task names (see s4r.bench.tasks.TASKS); `all` means every task, a name of
+    TASK_SETS (`needles`) its tasks."""
     if text is None:
         return None
-    from s4r.bench.tasks import TASKS
+    from s4r.bench.tasks import TASK_SETS, TASKS
 
     names = _split(text)
     if names == ["all"]:
         return tuple(TASKS)
+    names = [t for n in names for t in TASK_SETS.get(n, (n,))]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         raise UsageError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from "
-                         f"{', '.join(TASKS)} or all")
+                         f"{', '.join(TASKS)}, {', '.join(TASK_SETS)} or all")
     return tuple(dict.fromkeys(names))
+
+
+def parse_book(text: str | None) -> str | None:
+    """The haystack book of the book tasks: the tuning or the held-out one."""
+    if text is None:
+        return None
+    from s4r.bench.tasks import HELDOUT_BOOK, TUNING_BOOK
+
+    if text not in (TUNING_BOOK, HELDOUT_BOOK):
+        raise UsageError(f"--book: unknown book '{text}'; choose {TUNING_BOOK} (tuning) or {HELDOUT_BOOK} "
+                         "(held out)")
+    return text
 
 
 def _check_output(path: str | None, option: str) -> Path | None:
@@ -231,7 +245,7 @@ def _random_lengths(context_length: int) -> tuple[int, ...]:
 def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[float, ...] | None,
                  lengths: tuple[int, ...] | None, tasks: tuple[str, ...] | None, samples: int | None,
                  seed: int, speed_only: bool, accuracy_only: bool, max_new_tokens: int | None,
-                 random_context: int | None) -> BenchConfig:
+                 random_context: int | None, book: str | None = None) -> BenchConfig:
     """The runner's config from the options: the full or quick preset, then what was given explicitly.
 
     `random_context` is the context length of a random-weight profile (speed only, long lengths).
@@ -255,6 +269,8 @@ def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[
         changes["samples"] = samples
     if max_new_tokens is not None:
         changes["max_new_tokens"] = max_new_tokens
+    if book is not None:
+        changes["book"] = book
     if speed_only or random_context is not None:
         changes.update(accuracy=False, perplexity=False, speed=True)
     if accuracy_only:
@@ -342,8 +358,12 @@ def bench(
              "32k,64k,128k). Perplexity runs at those >= 4k (else the longest).")] = None,
     tasks: Annotated[str | None, typer.Option(
         "--tasks", rich_help_panel=_RUN, show_default=False,
-        help="Comma-separated accuracy tasks, or all (default: all; --quick: niah_single_noise, "
-             "niah_multikey, variable_tracking).")] = None,
+        help="Comma-separated accuracy tasks, `needles` (the book needle tasks that tune the defaults), "
+             "or all (default: all; --quick: niah_single_noise, niah_multikey, variable_tracking).")] = None,
+    book: Annotated[str | None, typer.Option(
+        "--book", rich_help_panel=_RUN, show_default=False,
+        help="Haystack of the book tasks: pride-and-prejudice (tuning, the default) or romeo-and-juliet "
+             "(held out: report figures on it).")] = None,
     samples: Annotated[int | None, typer.Option(
         "--samples", "-n", rich_help_panel=_RUN, show_default=False, min=1,
         help="Samples per task and length (default: 5; --quick 1).")] = None,
@@ -351,7 +371,8 @@ def bench(
                                       help="Seed of the generated samples.")] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(
         "--max-new-tokens", rich_help_panel=_RUN, show_default=False, min=1,
-        help="Most tokens per answer (default: 32; --quick 16).")] = None,
+        help="Most tokens per answer; each sample gets what its reference answer needs, up to this "
+             "(default: 32; --quick 16).")] = None,
     speed_only: Annotated[bool, typer.Option(
         "--speed-only", rich_help_panel=_RUN,
         help="Only speed and memory (no accuracy, no perplexity).")] = False,
@@ -392,7 +413,7 @@ def bench(
     plot_file = _check_output(plot_path, "--plot")
     _check_plot(plot_file)
     parsed = {"methods": parse_methods(methods), "ratios": parse_ratios(ratios),
-              "lengths": parse_length_list(lengths), "tasks": parse_tasks(tasks)}
+              "lengths": parse_length_list(lengths), "tasks": parse_tasks(tasks), "book": parse_book(book)}
 
     import torch
 

@@ -39,7 +39,7 @@ from s4r.bench.speed import (
     synchronize,
     teacher_force,
 )
-from s4r.bench.tasks import TASKS, make_samples
+from s4r.bench.tasks import DEFAULT_BOOK, TASKS, answer_budget, make_samples
 from s4r.budget import KVShape
 from s4r.chat_format import chat_segments
 from s4r.errors import BudgetError, S4RError
@@ -90,7 +90,10 @@ class BenchConfig:
     tasks: tuple[str, ...] = tuple(TASKS)
     samples: int = 5
     seed: int = 0
+    # the cap of an answer; each sample gets only what its reference answer needs (answer_budget)
     max_new_tokens: int = 32
+    # the book the book-haystack tasks draw from: tune on TUNING_BOOK, report on HELDOUT_BOOK
+    book: str = DEFAULT_BOOK
     continuation_tokens: int = 256
     decode_steps: int = 64
     warmup_steps: int = 4
@@ -142,6 +145,7 @@ class BenchConfig:
         return {"methods": list(self.methods), "ratios": list(self.ratios), "lengths": list(self.lengths),
                 "perplexity_lengths": list(self.ppl_lengths()), "tasks": list(self.tasks),
                 "samples": self.samples, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
+                "book": self.book,
                 "continuation_tokens": self.continuation_tokens, "decode_steps": self.decode_steps,
                 "warmup_steps": self.warmup_steps, "accuracy": self.accuracy, "perplexity": self.perplexity,
                 "speed": self.speed, "chunk_size": self.chunk_size, "overrides": self.overrides,
@@ -197,6 +201,7 @@ class AccuracyRecord:
     stored_bytes: int
     full_bytes: int
     compress_seconds: float
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -418,7 +423,7 @@ class BenchRunner:
         for length in cfg.lengths:
             tokens = self.fit_length(length)
             for task in cfg.tasks:
-                samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens)
+                samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
                 for k, sample in enumerate(samples):
                     where = f"{task} {_label(length)} #{k + 1}"
                     self.hooks.advance(f"{where}: prefill", units=0)
@@ -445,13 +450,13 @@ class BenchRunner:
                 length: int) -> AccuracyRecord:
         fork = self._fork(staged, method, ratio)
         mem = fork.memory()
-        answer, _ = fork.ask(sample.question, prime=sample.answer_prefix,
-                             max_new_tokens=self.config.max_new_tokens)
+        budget = answer_budget(sample, self.count_tokens, self.config.max_new_tokens)
+        answer, _ = fork.ask(sample.question, prime=sample.answer_prefix, max_new_tokens=budget)
         return AccuracyRecord(
             task=sample.task, length=length, tokens=staged.document_tokens, sample=index, depth=sample.depth,
             method=method, ratio=ratio, score=float(score(sample, answer)), answer=answer,
             achieved_ratio=mem.ratio, stored_bytes=mem.stored_bytes, full_bytes=mem.full_bytes,
-            compress_seconds=fork.compress_seconds)
+            compress_seconds=fork.compress_seconds, max_new_tokens=budget)
 
     # --- context: perplexity, speed, memory --------------------------------------------------------
     def run_contexts(self) -> None:
