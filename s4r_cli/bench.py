@@ -64,12 +64,12 @@ def parse_methods(text: str | None) -> tuple[str, ...] | None:
     """Comma-separated method names; a name no version of the benchmark knows is a usage error.
 
     Names the benchmark knows but this library cannot build are left to the runner, which skips them
-    with a warning.
+    with a warning. `name@ratio` runs that method at that ratio only (see parse_method_ratios).
     """
     from s4r.bench.runner import DEFAULT_METHODS
     from s4r.methods import METHODS
 
-    names = _split(text)
+    names = [n.split("@", 1)[0].strip() for n in _split(text)]
     if text is not None and not names:
         raise UsageError("--methods needs at least one method name")
     known = set(DEFAULT_METHODS) | set(METHODS)
@@ -77,6 +77,20 @@ def parse_methods(text: str | None) -> tuple[str, ...] | None:
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
     return tuple(dict.fromkeys(names)) or None
+
+
+def parse_method_ratios(text: str | None) -> dict[str, tuple[float, ...]]:
+    """The ratios given as `name@ratio` in --methods, per method (methods without one use --ratios)."""
+    out: dict[str, list[float]] = {}
+    for part in _split(text):
+        if "@" in part:
+            name, ratio = (p.strip() for p in part.split("@", 1))
+            try:
+                value = float(ratio)
+            except ValueError:
+                raise UsageError(f"--methods: '{part}' needs a number after @") from None
+            out.setdefault(name, []).append(check_ratio(value))
+    return {m: tuple(dict.fromkeys(r)) for m, r in out.items()}
 
 
 def parse_ratios(text: str | None) -> tuple[float, ...] | None:
@@ -245,7 +259,8 @@ def _random_lengths(context_length: int) -> tuple[int, ...]:
 def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[float, ...] | None,
                  lengths: tuple[int, ...] | None, tasks: tuple[str, ...] | None, samples: int | None,
                  seed: int, speed_only: bool, accuracy_only: bool, max_new_tokens: int | None,
-                 random_context: int | None, book: str | None = None) -> BenchConfig:
+                 random_context: int | None, book: str | None = None,
+                 method_ratios: dict[str, tuple[float, ...]] | None = None) -> BenchConfig:
     """The runner's config from the options: the full or quick preset, then what was given explicitly.
 
     `random_context` is the context length of a random-weight profile (speed only, long lengths).
@@ -271,6 +286,8 @@ def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[
         changes["max_new_tokens"] = max_new_tokens
     if book is not None:
         changes["book"] = book
+    if method_ratios:
+        changes["method_ratios"] = method_ratios
     if speed_only or random_context is not None:
         changes.update(accuracy=False, perplexity=False, speed=True)
     if accuracy_only:
@@ -347,8 +364,9 @@ def bench(
     model: ModelOpt = DEFAULT_MODEL,
     methods: Annotated[str | None, typer.Option(
         "--methods", rich_help_panel=_RUN, show_default=False,
-        help="Comma-separated methods (default: full,s4r,s4r-paper,streaming,snapkv,svd,offline); "
-             "full always runs as the reference.")] = None,
+        help="Comma-separated methods (default: full,s4r,s4r-paper,streaming,snapkv,svd,offline,quant,"
+             "kvzip); full always runs as the reference. name@ratio runs a method at that ratio only, e.g. "
+             "s4r@2.5,s4r@5,quant@5,kvzip@5.")] = None,
     ratios: Annotated[str | None, typer.Option(
         "--ratios", rich_help_panel=_RUN, show_default=False,
         help="Comma-separated compression ratios (default: 2.5,5).")] = None,
@@ -413,7 +431,8 @@ def bench(
     plot_file = _check_output(plot_path, "--plot")
     _check_plot(plot_file)
     parsed = {"methods": parse_methods(methods), "ratios": parse_ratios(ratios),
-              "lengths": parse_length_list(lengths), "tasks": parse_tasks(tasks), "book": parse_book(book)}
+              "lengths": parse_length_list(lengths), "tasks": parse_tasks(tasks), "book": parse_book(book),
+              "method_ratios": parse_method_ratios(methods)}
 
     import torch
 

@@ -62,7 +62,8 @@ __all__ = [
     "run_bench",
 ]
 
-DEFAULT_METHODS: tuple[str, ...] = ("full", "s4r", "s4r-paper", "streaming", "snapkv", "svd", "offline")
+DEFAULT_METHODS: tuple[str, ...] = ("full", "s4r", "s4r-paper", "streaming", "snapkv", "svd", "offline",
+                                    "quant", "kvzip")
 DEFAULT_RATIOS: tuple[float, ...] = (2.5, 5.0)
 DEFAULT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192)
 # perplexity needs a context long enough for compression to matter; shorter lengths are speed-only
@@ -103,6 +104,9 @@ class BenchConfig:
     chunk_size: int = 512
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     quick: bool = False
+    # ratios of one method instead of `ratios` (`--methods s4r@2.5,s4r@5,kvzip@5`): the costly methods
+    # run only where they matter
+    method_ratios: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def quick_preset(cls, **changes: Any) -> BenchConfig:
@@ -149,7 +153,7 @@ class BenchConfig:
                 "continuation_tokens": self.continuation_tokens, "decode_steps": self.decode_steps,
                 "warmup_steps": self.warmup_steps, "accuracy": self.accuracy, "perplexity": self.perplexity,
                 "speed": self.speed, "chunk_size": self.chunk_size, "overrides": self.overrides,
-                "quick": self.quick}
+                "quick": self.quick, "method_ratios": {m: list(r) for m, r in self.method_ratios.items()}}
 
 
 class BenchHooks:
@@ -348,7 +352,8 @@ class BenchRunner:
         combos: list[tuple[str, float]] = [("full", FULL_RATIO)]
         for method in self.result.methods:
             if method != "full":
-                combos += [(method, float(r)) for r in self.config.ratios]
+                ratios = self.config.method_ratios.get(method) or self.config.ratios
+                combos += [(method, float(r)) for r in ratios]
         return combos
 
     def _staged(self, text: str) -> tuple[Session, float]:
