@@ -10,6 +10,9 @@ import torch
 
 # widths that pack into whole bytes without straddling (what llama.cpp / KIVI ship: 8, 4, 2 bits)
 PACKABLE_BITS: tuple[int, ...] = (8, 4, 2)
+# scales and zero points are fp16 whatever the model's dtype, as in KIVI and llama.cpp's q4_0/q8_0
+PARAM_DTYPE = torch.float16
+PARAM_BYTES = 2
 
 
 @dataclass
@@ -57,7 +60,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int) -> Quantiz
 
     KIVI quantizes keys per channel (groups run along tokens, `dim=-2`) because a few key channels
     carry outliers, and values per token (groups along channels, `dim=-1`). The codes are packed along
-    the last dim; scale and zero point are kept per group in `x`'s dtype.
+    the last dim; scale and zero point are kept per group in fp16 (PARAM_DTYPE).
     """
     d = dim % x.ndim
     if x.shape[d] % group:
@@ -68,9 +71,12 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int) -> Quantiz
     hi = grouped.amax(dim=d + 1, keepdim=True)
     levels = (1 << bits) - 1
     scale = ((hi - lo) / levels).clamp_min(1e-8)
+    # the zero point is rounded to fp16 first so that codes are computed against what is stored
+    lo = lo.to(PARAM_DTYPE).float()
+    scale = scale.to(PARAM_DTYPE).float().clamp_min(2**-24)
     codes = torch.round((grouped - lo) / scale).clamp_(0, levels).flatten(d, d + 1)
-    return Quantized(pack_bits(codes, bits), scale.squeeze(d + 1).to(x.dtype), lo.squeeze(d + 1).to(x.dtype),
-                     bits)
+    return Quantized(pack_bits(codes, bits), scale.squeeze(d + 1).to(PARAM_DTYPE),
+                     lo.squeeze(d + 1).to(PARAM_DTYPE), bits)
 
 
 def dequantize_groups(q: Quantized, group: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -82,14 +88,13 @@ def dequantize_groups(q: Quantized, group: int, dim: int, dtype: torch.dtype) ->
     return out.flatten(d, d + 1).to(dtype)
 
 
-def quant_bytes_per_token(heads: int, head_dim: int, dtype_bytes: int, bits: int, key_group: int,
-                          value_group: int) -> float:
+def quant_bytes_per_token(heads: int, head_dim: int, bits: int, key_group: int, value_group: int) -> float:
     """Bytes one quantized token takes in one layer, K and V, scales and zero points included.
 
     Keys: `bits` per element plus a scale and zero per channel every `key_group` tokens; values: `bits`
     per element plus a scale and zero per `value_group` channels of every token.
     """
     codes = 2 * heads * head_dim * bits / 8
-    key_params = 2 * heads * head_dim * dtype_bytes / key_group
-    value_params = 2 * heads * (head_dim // value_group) * dtype_bytes
+    key_params = 2 * heads * head_dim * PARAM_BYTES / key_group
+    value_params = 2 * heads * (head_dim // value_group) * PARAM_BYTES
     return codes + key_params + value_params

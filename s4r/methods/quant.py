@@ -34,17 +34,16 @@ class QuantPlan:
 
 
 def value_groups_for(head_dim: int) -> list[int]:
-    """Values are grouped along channels: the groups of KEY_GROUPS that divide the head dim (or the
-    whole head)."""
-    return [g for g in KEY_GROUPS if g <= head_dim and head_dim % g == 0] or [head_dim]
+    """Values are grouped along channels: the groups of KEY_GROUPS that divide the head dim, and the
+    whole head."""
+    return sorted({g for g in KEY_GROUPS if g <= head_dim and head_dim % g == 0} | {head_dim})
 
 
 def quant_layer_bytes(shape: KVShape, tokens: int, bits: int, key_group: int, value_group: int,
                       reserve: int) -> float:
     """Bytes of one quantized layer of `tokens` tokens with a full reserve of new full-precision ones."""
     quantized = tokens // key_group * key_group
-    per_token = quant_bytes_per_token(shape.kv_heads, shape.head_dim, shape.dtype_bytes, bits, key_group,
-                                      value_group)
+    per_token = quant_bytes_per_token(shape.kv_heads, shape.head_dim, bits, key_group, value_group)
     residual = tokens - quantized + max(reserve, key_group)
     return quantized * per_token + residual * shape.full_bytes_per_token()
 
