@@ -131,6 +131,11 @@ def test_json_document_is_complete_and_strict(tiny_run, tmp_path):
         assert run[key] is not None, key
     assert set(run["versions"]) >= {"torch", "transformers"}
     assert {s["method"] for s in doc["accuracy"]["scores"]} == set(DEFAULT_METHODS)
+    # every accuracy figure carries its sample count and its 95% interval (null where one sample)
+    for row in doc["accuracy"]["scores"] + doc["accuracy"]["summary"] + doc["accuracy"]["overall"]:
+        assert {"score", "ci_low", "ci_high", "samples"} <= set(row) and row["samples"] >= 1
+        if row["ci_low"] is not None:
+            assert row["ci_low"] <= row["score"] <= row["ci_high"]
     full_ppl = [p for p in doc["perplexity"] if p["method"] == "full"]
     assert full_ppl and full_ppl[0]["nll_gap"] == 0.0
     for s in doc["speed"]:
@@ -186,6 +191,19 @@ def test_modes_select_phases(tiny_loaded):
     doc = to_json(acc)
     # accuracy-only runs still report the stored bytes of each method
     assert {k["method"] for k in doc["memory"]["kv"]} == {"full", "streaming"}
+
+
+def test_method_ratios_and_the_book_reach_the_runner(tiny_loaded):
+    cfg = tiny_config(perplexity=False, speed=False, methods=("s4r", "quant"), samples=2,
+                      tasks=("niah_single_book",), method_ratios={"quant": (2.0,)}, book="romeo-and-juliet")
+    result = run_bench(tiny_loaded, cfg)
+    assert {(r.method, r.ratio) for r in result.accuracy} == {("full", 1.0), ("quant", 2.0)} | {
+        ("s4r", r) for r in RATIOS}
+    assert all(r.max_new_tokens is not None and r.max_new_tokens <= 4 for r in result.accuracy)
+    doc = to_json(result)
+    (row,) = [s for s in doc["accuracy"]["overall"] if s["method"] == "quant"]
+    assert row["samples"] == 2 and row["ci_low"] is not None
+    assert doc["config"]["book"] == "romeo-and-juliet"
 
 
 def test_random_weights_measure_speed_only(tiny_loaded):
