@@ -88,3 +88,63 @@ def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks:
             if note is not None:
                 note(f"{task} #{k + 1}: " + ", ".join(f"{n} {r.nll[-1]:.3f}" for n, r in results.items()))
     return results
+
+
+# the storage variants measured for the ratio-5 default (docs/notes-issue-7.md has the figures)
+TUNING_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "attn-outliers": {"outlier_score": "attention"},
+    "key_share=0.35": {"key_share": 0.35},
+    "key_share=0.65": {"key_share": 0.65},
+    "energy-ranks": {"rank_alloc": "energy"},
+    "outliers=0": {"outlier_fraction": 0.0},
+    "outliers=0.10": {"outlier_fraction": 0.10},
+    "outliers=0.15": {"outlier_fraction": 0.15},
+    "outliers=0.20": {"outlier_fraction": 0.20},
+    "outliers=0.10+ks0.65": {"outlier_fraction": 0.10, "key_share": 0.65},
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m s4r.bench.tuning [--length 4096] [--samples 4] [--variants a,b] [--json PATH]`: the
+    tuning runs that choose S4R's defaults (needle tasks of the tuning book, answer NLL at ratio 5)."""
+    import argparse
+    import json
+
+    from s4r.loading import load_model
+
+    parser = argparse.ArgumentParser(prog="python -m s4r.bench.tuning", description=main.__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--ratio", type=float, default=5.0)
+    parser.add_argument("--tasks", default="niah_single_book,niah_multikey")
+    parser.add_argument("--variants", default=",".join(TUNING_VARIANTS), help="names of TUNING_VARIANTS")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in TUNING_VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TUNING_VARIANTS)}")
+    loaded = load_model(args.model)
+    t0 = time.perf_counter()
+    results = compare_variants(loaded, {n: TUNING_VARIANTS[n] for n in names}, tasks=args.tasks.split(","),
+                               length=args.length, samples=args.samples, ratio=args.ratio,
+                               note=lambda m: print(f"[{time.perf_counter() - t0:.0f} s] {m}", flush=True))
+    full = results["full"]
+    doc = {}
+    for name, res in results.items():
+        gap = res.gap(full)
+        doc[name] = {"overrides": res.overrides, "nll": res.nll, "gap": gap.mean, "gap_low": gap.low,
+                     "gap_high": gap.high, "samples": gap.n, "ratio": sum(res.ratio) / len(res.ratio),
+                     "compress_seconds": sum(res.compress_seconds) / len(res.compress_seconds)}
+        print(f"{name:22s} answer NLL gap {gap.mean:+.3f} [{gap.low:+.3f}, {gap.high:+.3f}] n={gap.n}  "
+              f"ratio {doc[name]['ratio']:.2f}  compress {doc[name]['compress_seconds']:.1f} s")
+    print(f"wall {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
