@@ -15,6 +15,7 @@ import torch
 from s4r.bench.report import tables, to_json, write_json
 from s4r.bench.runner import (
     DEFAULT_METHODS,
+    QUICK_METHODS,
     QUICK_TASKS,
     BenchConfig,
     BenchHooks,
@@ -71,9 +72,9 @@ def tiny_loaded() -> SimpleNamespace:
 
 def tiny_config(**changes) -> BenchConfig:
     # characters are tokens here: 768-token contexts take a fraction of a second on the tiny model
-    base = BenchConfig.quick_preset(lengths=(768,), perplexity_lengths=(768,), ratios=RATIOS,
-                                    tasks=("niah_single_noise", "variable_tracking"), max_new_tokens=4,
-                                    continuation_tokens=12, decode_steps=6, warmup_steps=2)
+    base = BenchConfig.quick_preset(methods=DEFAULT_METHODS, lengths=(768,), perplexity_lengths=(768,),
+                                    ratios=RATIOS, tasks=("niah_single_noise", "variable_tracking"),
+                                    max_new_tokens=4, continuation_tokens=12, decode_steps=6, warmup_steps=2)
     return BenchConfig(**{**base.__dict__, **changes})
 
 
@@ -302,7 +303,7 @@ def test_quick_bench_end_to_end(tmp_path):
     assert "Accuracy by task" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["run"]["model"] == "smollm2-135m" and doc["config"]["quick"]
-    assert doc["methods"] == list(DEFAULT_METHODS)
+    assert doc["methods"] == list(QUICK_METHODS)
     assert not [i for i in doc["issues"] if i["kind"] == "error"], doc["issues"]
     ratios = doc["config"]["ratios"]
     scores = {(s["task"], s["method"], s["ratio"]): s["score"] for s in doc["accuracy"]["scores"]}
