@@ -90,6 +90,8 @@ def stratified_interval(groups: Sequence[Sequence[float]]) -> Interval:
     groups = [g for g in groups if g]
     if not groups:
         return Interval(math.nan, math.nan, math.nan, 0)
+    if len(groups) == 1:
+        return score_interval(groups[0])  # one task: the cell's own interval
     k = len(groups)
     mean = math.fsum(math.fsum(g) / len(g) for g in groups) / k
     n = sum(len(g) for g in groups)
