@@ -53,6 +53,8 @@ def test_bit_width_follows_the_ratio():
     assert plan_quant(SMOL, 4096, 5.0, 64).bits == 2
     with pytest.raises(BudgetError):
         plan_quant(SMOL, 4096, 8.0, 64)
+    best = QuantMethod().max_ratio(SMOL, 4096)
+    assert 6.0 < best < 8.0 and plan_quant(SMOL, 4096, best * 0.999, 64).bits == 2
     for ratio in (1.5, 2.5, 5.0):
         plan = plan_quant(SMOL, 4096, ratio, 64)
         assert plan.planned_bytes <= plan.full_bytes / ratio

@@ -76,6 +76,13 @@ class QuantMethod:
     reserve: int = 64
     ratio: float | None = None
 
+    def max_ratio(self, shape: KVShape, tokens: int) -> float:
+        """The best ratio for a `tokens`-long prompt: the narrowest width and largest groups."""
+        bits, key_group = min(PACKABLE_BITS), max(KEY_GROUPS)
+        used = quant_layer_bytes(shape, tokens, bits, key_group, max(value_groups_for(shape.head_dim)),
+                                 self.reserve)
+        return shape.full_bytes_per_token() * tokens / used
+
     def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
         plan = plan_quant(cache.shape, cache.logical_length(), self.ratio or ctx.ratio, self.reserve)
 
