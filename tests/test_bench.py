@@ -309,7 +309,7 @@ def test_quick_bench_end_to_end(tmp_path):
     scores = {(s["task"], s["method"], s["ratio"]): s["score"] for s in doc["accuracy"]["scores"]}
     for task in QUICK_TASKS:
         assert (task, "full", 1.0) in scores
-        for method in DEFAULT_METHODS[1:]:
+        for method in QUICK_METHODS[1:]:
             for ratio in ratios:
                 assert (task, method, ratio) in scores, (task, method, ratio)
     assert all(0.0 <= v <= 100.0 for v in scores.values())
@@ -318,7 +318,7 @@ def test_quick_bench_end_to_end(tmp_path):
     for kv in doc["memory"]["kv"]:
         assert kv["achieved_ratio"] >= kv["ratio"] and kv["stored_bytes"] > 0, kv
     speed = {(s["method"], s["ratio"]) for s in doc["speed"]}
-    assert speed == {("full", 1.0)} | {(m, r) for m in DEFAULT_METHODS[1:] for r in ratios}
+    assert speed == {("full", 1.0)} | {(m, r) for m in QUICK_METHODS[1:] for r in ratios}
     for s in doc["speed"]:
         assert s["prefill_seconds"] > 0 and s["decode_tok_s"] > 0
         assert s["ingest_seconds"] >= s["prefill_seconds"]
