@@ -73,13 +73,56 @@ def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return (total - captured).clamp_min(0) / total.clamp_min(1e-12)
 
 
+def _per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[G, N, width] basis-group vectors -> [H, N, d] per-head vectors (inverse of `to_groups`)."""
+    if x.shape[0] == heads:
+        return x
+    return x[0].view(x.shape[1], heads, -1).transpose(0, 1)
+
+
+def _residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    return x - torch.matmul(torch.matmul(x, basis), basis.transpose(1, 2))
+
+
+def attention_effect(k_groups: torch.Tensor, v_groups: torch.Tensor, basis_k: torch.Tensor,
+                     basis_v: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor,
+                     post_rope: bool = True) -> torch.Tensor:
+    """Per token [N]: how much its reconstruction error moves the attention output of the prompt's last
+    queries, to first order: attention weight x (value error + value norm x logit error), the largest
+    over the queries, summed over heads.
+
+    keys [H, T, d] and queries [Hq, W, d] post-RoPE (the whole prompt, sinks first); the groups are the
+    non-sink tokens in the basis space. In a pre-RoPE key space the logit error is bounded by norms.
+    """
+    heads, total, dim = keys.shape
+    n = k_groups.shape[1]
+    s = total - n
+    scale = dim**-0.5
+    q = queries.float().reshape(heads, -1, dim)  # [H, n_rep * W, d]
+    probs = torch.softmax(torch.matmul(q, keys.float().transpose(1, 2)) * scale, dim=-1)[:, :, s:]
+    err_k = _per_head(_residual(k_groups, basis_k), heads)
+    err_v = _per_head(_residual(v_groups, basis_v), heads)
+    v_norm = _per_head(v_groups, heads).norm(dim=-1).unsqueeze(1)  # [H, 1, N]
+    if post_rope:
+        logit_err = torch.matmul(q, err_k.transpose(1, 2)).abs() * scale  # post-RoPE: exact first order
+    else:
+        logit_err = q.norm(dim=-1, keepdim=True) * err_k.norm(dim=-1).unsqueeze(1) * scale
+    effect = probs * (err_v.norm(dim=-1).unsqueeze(1) + v_norm * logit_err)
+    return effect.amax(dim=1).sum(dim=0)
+
+
 def outlier_tokens(k_groups: torch.Tensor, v_groups: torch.Tensor, basis_k: torch.Tensor,
-                   basis_v: torch.Tensor, count: int, exclude_tail: int = 0) -> torch.Tensor:
-    """Indices (sorted) of the `count` tokens the key and value bases represent worst.
+                   basis_v: torch.Tensor, count: int, exclude_tail: int = 0,
+                   effect: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices (sorted) of the `count` tokens the key and value bases represent worst: by relative
+    residual, or by `effect` [N] when given (see `attention_effect`).
 
     The last `exclude_tail` tokens are never picked: decoding reconstructs them as its local window.
     """
-    worst = relative_residual(k_groups, basis_k) + relative_residual(v_groups, basis_v)
+    if effect is not None:
+        worst = effect.clone()
+    else:
+        worst = relative_residual(k_groups, basis_k) + relative_residual(v_groups, basis_v)
     if exclude_tail:
         worst[-exclude_tail:] = float("-inf")
     count = min(count, max(0, worst.shape[0] - exclude_tail))
@@ -115,7 +158,12 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     out_idx = out_k = out_v = None
     n_out = cfg.outlier_count(k_groups.shape[1])
     if n_out:
-        out_idx = outlier_tokens(k_groups, v_groups, basis_k, basis_v, n_out, cfg.local_window)
+        effect = None
+        if cfg.outlier_score == "attention" and queries is not None and queries.shape[1]:
+            # post-RoPE keys for the logits whatever the basis space; the error itself is measured there
+            effect = attention_effect(k_groups, v_groups, basis_k, basis_v, keys,
+                                      queries[:, -cfg.query_window :], cfg.key_space == "post_rope")
+        out_idx = outlier_tokens(k_groups, v_groups, basis_k, basis_v, n_out, cfg.local_window, effect)
         out_k, out_v = keys[:, s + out_idx].clone(), values[:, s + out_idx].clone()
         out_idx = out_idx.to(torch.int32)
 

@@ -39,6 +39,9 @@ class S4RConfig:
     # share of the stored tokens the bases represent worst (largest relative residual) that are also
     # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses
     outlier_fraction: float = 0.05
+    # how outliers are chosen: "residual" (worst relative reconstruction error) or "attention" (largest
+    # first-order change of the prompt's last queries' attention output, see compress.attention_effect)
+    outlier_score: Literal["residual", "attention"] = "residual"
 
     key_space: KeySpace = "post_rope"
     granularity: Granularity = "layer"
@@ -80,6 +83,8 @@ class S4RConfig:
             raise ValueError("sample_tokens must be positive (or None for all tokens)")
         if not 0.0 <= self.outlier_fraction < 1.0:
             raise ValueError("outlier_fraction must be in [0, 1)")
+        if self.outlier_score not in ("residual", "attention"):
+            raise ValueError("outlier_score must be 'residual' or 'attention'")
         if not 0.0 <= self.recent_share <= 1.0:
             raise ValueError("recent_share must be in [0, 1]")
         if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:

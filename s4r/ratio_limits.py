@@ -23,6 +23,9 @@ __all__ = ["max_ratio", "method_max_ratio"]
 def method_max_ratio(method: Any, shape: KVShape, tokens: int) -> float:
     """The best ratio ``method`` reaches for a ``tokens``-long prompt; ``inf`` when it has no limit
     (``full`` ignores the ratio) or is of a kind this module does not know."""
+    own = getattr(method, "max_ratio", None)
+    if callable(own):  # a method that knows its own limit (quant) says it
+        return own(shape, tokens)
     cfg = getattr(method, "config", None)
     if isinstance(cfg, S4RConfig):
         stored = max(tokens - cfg.sinks, 0)

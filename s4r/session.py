@@ -160,6 +160,7 @@ class Session:
         self._stop_ids = self._stop_token_ids()
         self.compress_seconds = 0.0
         self.last_ingest: IngestStats | None = None
+        self._staged_ids: list[int] | None = None
 
     # --- helpers ----------------------------------------------------------------------------------
     def _stop_token_ids(self) -> set[int]:
@@ -263,6 +264,7 @@ class Session:
         fresh = self.cache is None
         if fresh:
             self.cache = self._new_cache()
+            self._staged_ids = list(ids)  # methods that re-read the prompt (kvzip) need its ids
         start = self.logical_length
         t0 = time.perf_counter()
         try:
@@ -293,6 +295,10 @@ class Session:
         release_freed_memory(self.device)
         return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1, mode, peak_memory_bytes(self.device))
 
+    def _compress_context(self) -> CompressContext:
+        return CompressContext(rope=self.rope, ratio=self.ratio_requested, model=self.model,
+                               tokenizer=self.tokenizer, ids=self._staged_ids)
+
     def _layerwise(self, ids: torch.Tensor, start: int, fresh: bool,
                    progress: Callable[[int, int], None] | None) -> None:
         """Layer-wise prefill (see `s4r.layerwise.ingest_layerwise`); a fresh cache is compressed with the
@@ -311,8 +317,7 @@ class Session:
         `uncompressed_reason` says why. Without it (benchmark forks) the BudgetError propagates."""
         try:
             with torch.inference_mode():
-                self.compress_info = self._method.compress(
-                    self.cache, CompressContext(rope=self.rope, ratio=self.ratio_requested))
+                self.compress_info = self._method.compress(self.cache, self._compress_context())
         except BudgetError:
             if not fallback:
                 raise
@@ -332,6 +337,7 @@ class Session:
         other = Session(self.loaded, method=method, ratio=ratio, system=self.system, truncate=self.truncate,
                         config_overrides=config_overrides, chunk_size=self.chunk_size)
         other.cache = self.cache.copy_staged()
+        other._staged_ids = self._staged_ids
         other.document_tokens, other.documents = self.document_tokens, list(self.documents)
         other._state, other._doc_checkpoint = self._state, self._doc_checkpoint
         t0 = time.perf_counter()
@@ -373,6 +379,7 @@ class Session:
         if self.cache is None:
             # no document: the question itself is the prompt that gets compressed (when it can be)
             self.cache = self._new_cache()
+            self._staged_ids = list(ids)
             fresh = True
         else:
             fresh = False

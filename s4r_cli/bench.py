@@ -52,7 +52,7 @@ HELP = "\n\n".join([
     "every method and ratio. Perplexity gap: NLL of a 256-token book continuation read through each "
     "compressed cache (4k and 8k by default). Speed and memory: prefill and compression time, decode "
     "tokens/s measured side by side against full, stored KV bytes and achieved ratio, peak memory.",
-    "--quick (2k, one sample of three tasks, every method) is the CI smoke test.",
+    "--quick (2k, one sample of three tasks, every method but kvzip) is the CI smoke test.",
 ])
 
 
@@ -64,12 +64,12 @@ def parse_methods(text: str | None) -> tuple[str, ...] | None:
     """Comma-separated method names; a name no version of the benchmark knows is a usage error.
 
     Names the benchmark knows but this library cannot build are left to the runner, which skips them
-    with a warning.
+    with a warning. `name@ratio` runs that method at that ratio only (see parse_method_ratios).
     """
     from s4r.bench.runner import DEFAULT_METHODS
     from s4r.methods import METHODS
 
-    names = _split(text)
+    names = [n.split("@", 1)[0].strip() for n in _split(text)]
     if text is not None and not names:
         raise UsageError("--methods needs at least one method name")
     known = set(DEFAULT_METHODS) | set(METHODS)
@@ -77,6 +77,20 @@ def parse_methods(text: str | None) -> tuple[str, ...] | None:
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
     return tuple(dict.fromkeys(names)) or None
+
+
+def parse_method_ratios(text: str | None) -> dict[str, tuple[float, ...]]:
+    """The ratios given as `name@ratio` in --methods, per method (methods without one use --ratios)."""
+    out: dict[str, list[float]] = {}
+    for part in _split(text):
+        if "@" in part:
+            name, ratio = (p.strip() for p in part.split("@", 1))
+            try:
+                value = float(ratio)
+            except ValueError:
+                raise UsageError(f"--methods: '{part}' needs a number after @") from None
+            out.setdefault(name, []).append(check_ratio(value))
+    return {m: tuple(dict.fromkeys(r)) for m, r in out.items()}
 
 
 def parse_ratios(text: str | None) -> tuple[float, ...] | None:
@@ -113,19 +127,33 @@ def parse_length_list(text: str | None) -> tuple[int, ...] | None:
 
 
 def parse_tasks(text: str | None) -> tuple[str, ...] | None:
-    """Comma-separated task names (see s4r.bench.tasks.TASKS); `all` means every task."""
+    """Comma-separated task names (see s4r.bench.tasks.TASKS); `all` means every task, a name of
+    TASK_SETS (`needles`) its tasks."""
     if text is None:
         return None
-    from s4r.bench.tasks import TASKS
+    from s4r.bench.tasks import TASK_SETS, TASKS
 
     names = _split(text)
     if names == ["all"]:
         return tuple(TASKS)
+    names = [t for n in names for t in TASK_SETS.get(n, (n,))]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         raise UsageError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from "
-                         f"{', '.join(TASKS)} or all")
+                         f"{', '.join(TASKS)}, {', '.join(TASK_SETS)} or all")
     return tuple(dict.fromkeys(names))
+
+
+def parse_book(text: str | None) -> str | None:
+    """The haystack book of the book tasks: the tuning or the held-out one."""
+    if text is None:
+        return None
+    from s4r.bench.tasks import HELDOUT_BOOK, TUNING_BOOK
+
+    if text not in (TUNING_BOOK, HELDOUT_BOOK):
+        raise UsageError(f"--book: unknown book '{text}'; choose {TUNING_BOOK} (tuning) or {HELDOUT_BOOK} "
+                         "(held out)")
+    return text
 
 
 def _check_output(path: str | None, option: str) -> Path | None:
@@ -210,7 +238,8 @@ def _random_lengths(context_length: int) -> tuple[int, ...]:
 def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[float, ...] | None,
                  lengths: tuple[int, ...] | None, tasks: tuple[str, ...] | None, samples: int | None,
                  seed: int, speed_only: bool, accuracy_only: bool, max_new_tokens: int | None,
-                 random_context: int | None) -> BenchConfig:
+                 random_context: int | None, book: str | None = None,
+                 method_ratios: dict[str, tuple[float, ...]] | None = None) -> BenchConfig:
     """The runner's config from the options: the full or quick preset, then what was given explicitly.
 
     `random_context` is the context length of a random-weight profile (speed only, long lengths).
@@ -234,6 +263,10 @@ def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[
         changes["samples"] = samples
     if max_new_tokens is not None:
         changes["max_new_tokens"] = max_new_tokens
+    if book is not None:
+        changes["book"] = book
+    if method_ratios:
+        changes["method_ratios"] = method_ratios
     if speed_only or random_context is not None:
         changes.update(accuracy=False, perplexity=False, speed=True)
     if accuracy_only:
@@ -305,13 +338,14 @@ def _write_outputs(doc: dict[str, Any], json_path: Path | None, plot_path: Path 
 def bench(
     quick: Annotated[bool, typer.Option(
         "--quick", rich_help_panel=_RUN,
-        help="Smoke test (minutes on a laptop CPU): 2k tokens, one sample of three tasks, every method, "
-             "ratios 2.5 and 5, a short perplexity continuation.")] = False,
+        help="Smoke test (minutes on a laptop CPU): 2k tokens, one sample of three tasks, every method but "
+             "kvzip, ratios 2.5 and 5, a short perplexity continuation.")] = False,
     model: ModelOpt = DEFAULT_MODEL,
     methods: Annotated[str | None, typer.Option(
         "--methods", rich_help_panel=_RUN, show_default=False,
-        help="Comma-separated methods (default: full,s4r,s4r-paper,streaming,snapkv,svd,offline); "
-             "full always runs as the reference.")] = None,
+        help="Comma-separated methods (default: full,s4r,s4r-paper,streaming,snapkv,svd,offline,quant,"
+             "kvzip); full always runs as the reference. name@ratio runs a method at that ratio only, e.g. "
+             "s4r@2.5,s4r@5,quant@5,kvzip@5.")] = None,
     ratios: Annotated[str | None, typer.Option(
         "--ratios", rich_help_panel=_RUN, show_default=False,
         help="Comma-separated compression ratios (default: 2.5,5).")] = None,
@@ -321,8 +355,12 @@ def bench(
              "32k,64k,128k). Perplexity runs at those >= 4k (else the longest).")] = None,
     tasks: Annotated[str | None, typer.Option(
         "--tasks", rich_help_panel=_RUN, show_default=False,
-        help="Comma-separated accuracy tasks, or all (default: all; --quick: niah_single_noise, "
-             "niah_multikey, variable_tracking).")] = None,
+        help="Comma-separated accuracy tasks, `needles` (the book needle tasks that tune the defaults), "
+             "or all (default: all; --quick: niah_single_noise, niah_multikey, variable_tracking).")] = None,
+    book: Annotated[str | None, typer.Option(
+        "--book", rich_help_panel=_RUN, show_default=False,
+        help="Haystack of the book tasks: pride-and-prejudice (tuning, the default) or romeo-and-juliet "
+             "(held out: report figures on it).")] = None,
     samples: Annotated[int | None, typer.Option(
         "--samples", "-n", rich_help_panel=_RUN, show_default=False, min=1,
         help="Samples per task and length (default: 5; --quick 1).")] = None,
@@ -330,7 +368,8 @@ def bench(
                                       help="Seed of the generated samples.")] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(
         "--max-new-tokens", rich_help_panel=_RUN, show_default=False, min=1,
-        help="Most tokens per answer (default: 32; --quick 16).")] = None,
+        help="Most tokens per answer; each sample gets what its reference answer needs, up to this "
+             "(default: 32; --quick 16).")] = None,
     speed_only: Annotated[bool, typer.Option(
         "--speed-only", rich_help_panel=_RUN,
         help="Only speed and memory (no accuracy, no perplexity).")] = False,
@@ -371,7 +410,8 @@ def bench(
     plot_file = _check_output(plot_path, "--plot")
     _check_plot(plot_file)
     parsed = {"methods": parse_methods(methods), "ratios": parse_ratios(ratios),
-              "lengths": parse_length_list(lengths), "tasks": parse_tasks(tasks)}
+              "lengths": parse_length_list(lengths), "tasks": parse_tasks(tasks), "book": parse_book(book),
+              "method_ratios": parse_method_ratios(methods)}
 
     import torch
 

@@ -15,6 +15,7 @@ import torch
 from s4r.bench.report import tables, to_json, write_json
 from s4r.bench.runner import (
     DEFAULT_METHODS,
+    QUICK_METHODS,
     QUICK_TASKS,
     BenchConfig,
     BenchHooks,
@@ -71,9 +72,9 @@ def tiny_loaded() -> SimpleNamespace:
 
 def tiny_config(**changes) -> BenchConfig:
     # characters are tokens here: 768-token contexts take a fraction of a second on the tiny model
-    base = BenchConfig.quick_preset(lengths=(768,), perplexity_lengths=(768,), ratios=RATIOS,
-                                    tasks=("niah_single_noise", "variable_tracking"), max_new_tokens=4,
-                                    continuation_tokens=12, decode_steps=6, warmup_steps=2)
+    base = BenchConfig.quick_preset(methods=DEFAULT_METHODS, lengths=(768,), perplexity_lengths=(768,),
+                                    ratios=RATIOS, tasks=("niah_single_noise", "variable_tracking"),
+                                    max_new_tokens=4, continuation_tokens=12, decode_steps=6, warmup_steps=2)
     return BenchConfig(**{**base.__dict__, **changes})
 
 
@@ -131,6 +132,11 @@ def test_json_document_is_complete_and_strict(tiny_run, tmp_path):
         assert run[key] is not None, key
     assert set(run["versions"]) >= {"torch", "transformers"}
     assert {s["method"] for s in doc["accuracy"]["scores"]} == set(DEFAULT_METHODS)
+    # every accuracy figure carries its sample count and its 95% interval (null where one sample)
+    for row in doc["accuracy"]["scores"] + doc["accuracy"]["summary"] + doc["accuracy"]["overall"]:
+        assert {"score", "ci_low", "ci_high", "samples"} <= set(row) and row["samples"] >= 1
+        if row["ci_low"] is not None:
+            assert row["ci_low"] <= row["score"] <= row["ci_high"]
     full_ppl = [p for p in doc["perplexity"] if p["method"] == "full"]
     assert full_ppl and full_ppl[0]["nll_gap"] == 0.0
     for s in doc["speed"]:
@@ -186,6 +192,19 @@ def test_modes_select_phases(tiny_loaded):
     doc = to_json(acc)
     # accuracy-only runs still report the stored bytes of each method
     assert {k["method"] for k in doc["memory"]["kv"]} == {"full", "streaming"}
+
+
+def test_method_ratios_and_the_book_reach_the_runner(tiny_loaded):
+    cfg = tiny_config(perplexity=False, speed=False, methods=("s4r", "quant"), samples=2,
+                      tasks=("niah_single_book",), method_ratios={"quant": (2.0,)}, book="romeo-and-juliet")
+    result = run_bench(tiny_loaded, cfg)
+    assert {(r.method, r.ratio) for r in result.accuracy} == {("full", 1.0), ("quant", 2.0)} | {
+        ("s4r", r) for r in RATIOS}
+    assert all(r.max_new_tokens is not None and r.max_new_tokens <= 4 for r in result.accuracy)
+    doc = to_json(result)
+    (row,) = [s for s in doc["accuracy"]["overall"] if s["method"] == "quant"]
+    assert row["samples"] == 2 and row["ci_low"] is not None
+    assert doc["config"]["book"] == "romeo-and-juliet"
 
 
 def test_random_weights_measure_speed_only(tiny_loaded):
@@ -284,13 +303,13 @@ def test_quick_bench_end_to_end(tmp_path):
     assert "Accuracy by task" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["run"]["model"] == "smollm2-135m" and doc["config"]["quick"]
-    assert doc["methods"] == list(DEFAULT_METHODS)
+    assert doc["methods"] == list(QUICK_METHODS)
     assert not [i for i in doc["issues"] if i["kind"] == "error"], doc["issues"]
     ratios = doc["config"]["ratios"]
     scores = {(s["task"], s["method"], s["ratio"]): s["score"] for s in doc["accuracy"]["scores"]}
     for task in QUICK_TASKS:
         assert (task, "full", 1.0) in scores
-        for method in DEFAULT_METHODS[1:]:
+        for method in QUICK_METHODS[1:]:
             for ratio in ratios:
                 assert (task, method, ratio) in scores, (task, method, ratio)
     assert all(0.0 <= v <= 100.0 for v in scores.values())
@@ -299,7 +318,7 @@ def test_quick_bench_end_to_end(tmp_path):
     for kv in doc["memory"]["kv"]:
         assert kv["achieved_ratio"] >= kv["ratio"] and kv["stored_bytes"] > 0, kv
     speed = {(s["method"], s["ratio"]) for s in doc["speed"]}
-    assert speed == {("full", 1.0)} | {(m, r) for m in DEFAULT_METHODS[1:] for r in ratios}
+    assert speed == {("full", 1.0)} | {(m, r) for m in QUICK_METHODS[1:] for r in ratios}
     for s in doc["speed"]:
         assert s["prefill_seconds"] > 0 and s["decode_tok_s"] > 0
         assert s["ingest_seconds"] >= s["prefill_seconds"]

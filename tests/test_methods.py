@@ -63,13 +63,16 @@ def staged(model, ids: torch.Tensor, query_window: int = 64) -> S4RCache:
     cache = S4RCache(shape.layers, shape, query_window=query_window)
     with torch.inference_mode():
         prefill(model, cache, ids, 0, chunk_size=256)
+    cache.prompt_ids = ids.tolist()  # what kvzip re-reads (a Session passes its own)
     return cache
 
 
 def compressed(model, source: S4RCache, method, ratio: float) -> tuple[S4RCache, dict]:
     cache = source.copy_staged()
+    ctx = CompressContext(model_rope_fn(model), ratio, model=model, tokenizer=CharTokenizer(),
+                          ids=getattr(source, "prompt_ids", None))
     with torch.inference_mode():
-        info = method.compress(cache, CompressContext(model_rope_fn(model), ratio))
+        info = method.compress(cache, ctx)
     return cache, info
 
 

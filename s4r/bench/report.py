@@ -13,11 +13,14 @@ lengths the nominal context lengths asked for, ``tokens`` the document tokens ac
       "config": {"methods", "ratios", "lengths", "perplexity_lengths", "tasks", "samples", "seed", ...},
       "methods": [methods that ran, "full" first],
       "accuracy": {
-        "scores":  [{"task", "method", "ratio", "length", "tokens", "score", "samples", "achieved_ratio"}],
-        "summary": [{"method", "ratio", "length", "score", "tasks"}],       # mean over tasks per length
-        "overall": [{"method", "ratio", "score"}],                        # mean over tasks and lengths
+        "scores":  [{"task", "method", "ratio", "length", "tokens", "score", "ci_low", "ci_high", "samples",
+                     "achieved_ratio", "compress_seconds", "max_new_tokens"}],
+        "summary": [{"method", "ratio", "length", "score", "ci_low", "ci_high", "samples", "tasks",
+                     "compress_seconds"}],                                # mean over tasks per length
+        "overall": [{"method", "ratio", "score", "ci_low", "ci_high", "samples", "tasks",
+                     "compress_seconds"}],                                # mean over tasks and lengths
         "samples": [{"task", "length", "tokens", "sample", "depth", "method", "ratio", "score", "answer",
-                     "achieved_ratio", "stored_bytes", "full_bytes", "compress_seconds"}]},
+                     "achieved_ratio", "stored_bytes", "full_bytes", "compress_seconds", "max_new_tokens"}]},
       "perplexity": [{"length", "tokens", "method", "ratio", "nll", "ppl", "nll_gap", "ppl_ratio",
                       "scored_tokens", "natural_text", "achieved_ratio"}],   # gap: nll - nll of full
       "speed": [{"length", "tokens", "method", "ratio", "prefill_seconds", "compress_seconds",
@@ -31,6 +34,10 @@ lengths the nominal context lengths asked for, ``tokens`` the document tokens ac
       "calibration": [{"method", "seconds", "tokens"}],
       "issues": [{"kind" ("skipped"|"error"), "phase", "method", "ratio", "length", "message", "count"}]
     }
+
+Accuracy intervals are 95%: Wilson where every score of a cell is 0 or 100, Student t otherwise; means
+over tasks weight every task equally, with a stratified normal interval (see s4r.bench.intervals);
+`samples` counts the answers behind a figure.
 
 `ingest_seconds` is the prefill plus the method's compression (the prefill is measured once per length
 and shared by the forks); `decode_vs_full` and `ingest_vs_prefill` are ratios measured in the same run.
@@ -51,6 +58,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from s4r.bench.intervals import score_interval, stratified_interval
 from s4r.bench.runner import AccuracyRecord, BenchResult, ContextRecord
 
 __all__ = ["SCHEMA", "Table", "machine_info", "plot", "tables", "to_json", "write_json"]
@@ -129,24 +137,36 @@ def _accuracy_scores(records: Sequence[AccuracyRecord]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[AccuracyRecord]] = defaultdict(list)
     for r in records:
         groups[(r.task, r.method, r.ratio, r.length)].append(r)
-    return [{"task": t, "method": m, "ratio": ratio, "length": n,
-             "tokens": round(_mean(r.tokens for r in rs)), "score": _num(_mean(r.score for r in rs), 2),
-             "samples": len(rs), "achieved_ratio": _num(_mean(r.achieved_ratio for r in rs), 3)}
-            for (t, m, ratio, n), rs in groups.items()]
+    rows = []
+    for (t, m, ratio, n), rs in groups.items():
+        ci = score_interval([r.score for r in rs])
+        rows.append({"task": t, "method": m, "ratio": ratio, "length": n,
+                     "tokens": round(_mean(r.tokens for r in rs)), "score": _num(ci.mean, 2),
+                     "ci_low": _num(ci.low, 2), "ci_high": _num(ci.high, 2), "samples": len(rs),
+                     "achieved_ratio": _num(_mean(r.achieved_ratio for r in rs), 3),
+                     "compress_seconds": _num(_mean(r.compress_seconds for r in rs), 3),
+                     "max_new_tokens": max((r.max_new_tokens for r in rs), default=None)})
+    return rows
 
 
-def _accuracy_summary(scores: Sequence[dict[str, Any]], by_length: bool) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    for s in scores:
-        key = (s["method"], s["ratio"], s["length"]) if by_length else (s["method"], s["ratio"])
-        groups[key].append(s["score"])
+def _accuracy_summary(records: Sequence[AccuracyRecord], by_length: bool) -> list[dict[str, Any]]:
+    """Mean over tasks (each task weighted equally), per length or over all lengths, with a stratified
+    95% interval and the total sample count."""
+    cells: dict[tuple, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
+    seconds: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        key = (r.method, r.ratio, r.length) if by_length else (r.method, r.ratio)
+        cells[key][(r.task, r.length)].append(r.score)
+        seconds[key].append(r.compress_seconds)
     out = []
-    for key, vals in groups.items():
+    for key, by_cell in cells.items():
         row: dict[str, Any] = {"method": key[0], "ratio": key[1]}
         if by_length:
             row["length"] = key[2]
-        row["score"] = _num(_mean(vals), 2)
-        row["tasks"] = len(vals)
+        ci = stratified_interval(list(by_cell.values()))
+        row.update({"score": _num(ci.mean, 2), "ci_low": _num(ci.low, 2), "ci_high": _num(ci.high, 2),
+                    "samples": ci.n, "tasks": len({task for task, _ in by_cell}),
+                    "compress_seconds": _num(_mean(seconds[key]), 3)})
         out.append(row)
     return out
 
@@ -247,13 +267,14 @@ def to_json(result: BenchResult, command: str = "") -> dict[str, Any]:
         "methods": list(result.methods),
         "accuracy": {
             "scores": scores,
-            "summary": _accuracy_summary(scores, by_length=True),
-            "overall": _accuracy_summary(scores, by_length=False),
+            "summary": _accuracy_summary(result.accuracy, by_length=True),
+            "overall": _accuracy_summary(result.accuracy, by_length=False),
             "samples": [{"task": r.task, "length": r.length, "tokens": r.tokens, "sample": r.sample,
                          "depth": r.depth, "method": r.method, "ratio": r.ratio, "score": r.score,
                          "answer": r.answer, "achieved_ratio": _num(r.achieved_ratio, 3),
                          "stored_bytes": r.stored_bytes, "full_bytes": r.full_bytes,
-                         "compress_seconds": _num(r.compress_seconds)} for r in result.accuracy],
+                         "compress_seconds": _num(r.compress_seconds),
+                         "max_new_tokens": r.max_new_tokens} for r in result.accuracy],
         },
         "perplexity": _perplexity(result.contexts, natural),
         "speed": _speed(result.contexts),
@@ -308,6 +329,50 @@ def _order(doc: dict[str, Any], rows: Iterable[dict[str, Any]]) -> list[tuple[st
     return sorted(pairs, key=lambda p: (rank.get(p[0], len(rank)), p[1]))
 
 
+def _ci(row: dict[str, Any] | None, digits: str = ".0f") -> str:
+    """'score [low-high]' of a row with an interval (the bare score when it has none)."""
+    if row is None or row.get("score") is None:
+        return "-"
+    if row.get("ci_low") is None or row.get("ci_high") is None:
+        return f"{row['score']:{digits}}"
+    return f"{row['score']:{digits}} [{row['ci_low']:.0f}-{row['ci_high']:.0f}]"
+
+
+def _samples_note(rows: Sequence[dict[str, Any]]) -> str:
+    counts = sorted({r["samples"] for r in rows})
+    return f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}-{counts[-1]}"
+
+
+def _accuracy_tables(doc: dict[str, Any]) -> list[Table]:
+    """Accuracy by task (one column per task and length) and the mean by length, every figure with its
+    95% interval, plus each method's mean compression seconds (kvzip's extra forward shows there)."""
+    acc = doc["accuracy"]
+    cells = {(s["method"], s["ratio"], s["task"], s["length"]): s for s in acc["scores"]}
+    columns = list(dict.fromkeys((s["task"], s["length"]) for s in acc["scores"]))
+    many_lengths = len({n for _, n in columns}) > 1
+    overall = {(s["method"], s["ratio"]): s for s in acc["overall"]}
+    rows = []
+    for method, ratio in _order(doc, acc["scores"]):
+        vals = [_ci(cells.get((method, ratio, t, n))) for t, n in columns]
+        o = overall.get((method, ratio))
+        rows.append([method, _ratio_label(method, ratio), *vals, _ci(o, ".1f"),
+                     _fmt(o["compress_seconds"] if o else None, ".2f")])
+    heads = [f"{t} {_length_label(n)}" if many_lengths else t for t, n in columns]
+    out = [Table(f"Accuracy by task (score 0-100 [95% interval], {_samples_note(acc['scores'])} per cell)",
+                 ["method", "ratio", *heads, "mean", "compress s"], rows)]
+    lengths = sorted({s["length"] for s in acc["summary"]})
+    by_len = {(s["method"], s["ratio"], s["length"]): s for s in acc["summary"]}
+    rows = []
+    for method, ratio in _order(doc, acc["summary"]):
+        o = overall.get((method, ratio)) or {}
+        rows.append([method, _ratio_label(method, ratio),
+                     *[_ci(by_len.get((method, ratio, n)), ".1f") for n in lengths],
+                     _ci(o or None, ".1f"), str(o.get("samples", "-"))])
+    out.append(Table("Accuracy by context length (mean over tasks [95% interval])",
+                     ["method", "ratio", *[_length_label(n) for n in lengths], "mean", "samples"], rows))
+    return out
+
+
 def tables(doc: dict[str, Any]) -> list[Table]:
     """Summary tables of a JSON document: accuracy by task and by length, then one table per context
     length (memory, ingest, decode speed, perplexity), compression time of s4r against svd, and issues.
@@ -318,26 +383,7 @@ def tables(doc: dict[str, Any]) -> list[Table]:
     out: list[Table] = []
     acc = doc["accuracy"]
     if acc["scores"]:
-        tasks = list(dict.fromkeys(s["task"] for s in acc["scores"]))
-        cell = {(s["method"], s["ratio"], s["task"]): [] for s in acc["scores"]}
-        for s in acc["scores"]:
-            cell[(s["method"], s["ratio"], s["task"])].append(s["score"])
-        overall = {(s["method"], s["ratio"]): s["score"] for s in acc["overall"]}
-        rows = []
-        for method, ratio in _order(doc, acc["scores"]):
-            vals = [_fmt(_mean(cell.get((method, ratio, t), [])), ".0f") for t in tasks]
-            mean = _fmt(overall.get((method, ratio)), ".1f")
-            rows.append([method, _ratio_label(method, ratio), *vals, mean])
-        out.append(Table("Accuracy by task (score 0-100, mean over lengths and samples)",
-                         ["method", "ratio", *tasks, "mean"], rows))
-        lengths = sorted({s["length"] for s in acc["summary"]})
-        by_len = {(s["method"], s["ratio"], s["length"]): s["score"] for s in acc["summary"]}
-        rows = [[method, _ratio_label(method, ratio),
-                 *[_fmt(by_len.get((method, ratio, n)), ".1f") for n in lengths],
-                 _fmt(overall.get((method, ratio)), ".1f")]
-                for method, ratio in _order(doc, acc["summary"])]
-        out.append(Table("Accuracy by context length (mean over tasks)",
-                         ["method", "ratio", *[_length_label(n) for n in lengths], "mean"], rows))
+        out += _accuracy_tables(doc)
 
     speed = {(s["length"], s["method"], s["ratio"]): s for s in doc["speed"]}
     ppl = {(p["length"], p["method"], p["ratio"]): p for p in doc["perplexity"]}

@@ -39,7 +39,7 @@ from s4r.bench.speed import (
     synchronize,
     teacher_force,
 )
-from s4r.bench.tasks import TASKS, make_samples
+from s4r.bench.tasks import DEFAULT_BOOK, TASKS, answer_budget, make_samples
 from s4r.budget import KVShape
 from s4r.chat_format import chat_segments
 from s4r.errors import BudgetError, S4RError
@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_LENGTHS",
     "DEFAULT_METHODS",
     "DEFAULT_RATIOS",
+    "QUICK_METHODS",
     "AccuracyRecord",
     "BenchConfig",
     "BenchHooks",
@@ -62,7 +63,10 @@ __all__ = [
     "run_bench",
 ]
 
-DEFAULT_METHODS: tuple[str, ...] = ("full", "s4r", "s4r-paper", "streaming", "snapkv", "svd", "offline")
+DEFAULT_METHODS: tuple[str, ...] = ("full", "s4r", "s4r-paper", "streaming", "snapkv", "svd", "offline",
+                                    "quant", "kvzip")
+# the CI smoke test leaves kvzip out: its scoring re-reads every context (about one more prefill each)
+QUICK_METHODS: tuple[str, ...] = tuple(m for m in DEFAULT_METHODS if m != "kvzip")
 DEFAULT_RATIOS: tuple[float, ...] = (2.5, 5.0)
 DEFAULT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192)
 # perplexity needs a context long enough for compression to matter; shorter lengths are speed-only
@@ -90,7 +94,10 @@ class BenchConfig:
     tasks: tuple[str, ...] = tuple(TASKS)
     samples: int = 5
     seed: int = 0
+    # the cap of an answer; each sample gets only what its reference answer needs (answer_budget)
     max_new_tokens: int = 32
+    # the book the book-haystack tasks draw from: tune on TUNING_BOOK, report on HELDOUT_BOOK
+    book: str = DEFAULT_BOOK
     continuation_tokens: int = 256
     decode_steps: int = 64
     warmup_steps: int = 4
@@ -100,12 +107,17 @@ class BenchConfig:
     chunk_size: int = 512
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     quick: bool = False
+    # ratios of one method instead of `ratios` (`--methods s4r@2.5,s4r@5,kvzip@5`): the costly methods
+    # run only where they matter
+    method_ratios: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def quick_preset(cls, **changes: Any) -> BenchConfig:
-        """The CI smoke test: 2k tokens, one sample of three tasks, a short continuation; all methods."""
-        base = cls(lengths=(2048,), perplexity_lengths=(2048,), tasks=QUICK_TASKS, samples=1,
-                   max_new_tokens=16, continuation_tokens=48, decode_steps=32, warmup_steps=2, quick=True)
+        """The CI smoke test: 2k tokens, one sample of three tasks, a short continuation; every method but
+        kvzip (QUICK_METHODS)."""
+        base = cls(methods=QUICK_METHODS, lengths=(2048,), perplexity_lengths=(2048,), tasks=QUICK_TASKS,
+                   samples=1, max_new_tokens=16, continuation_tokens=48, decode_steps=32, warmup_steps=2,
+                   quick=True)
         return replace(base, **changes)
 
     def validate(self) -> None:
@@ -142,10 +154,11 @@ class BenchConfig:
         return {"methods": list(self.methods), "ratios": list(self.ratios), "lengths": list(self.lengths),
                 "perplexity_lengths": list(self.ppl_lengths()), "tasks": list(self.tasks),
                 "samples": self.samples, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
+                "book": self.book,
                 "continuation_tokens": self.continuation_tokens, "decode_steps": self.decode_steps,
                 "warmup_steps": self.warmup_steps, "accuracy": self.accuracy, "perplexity": self.perplexity,
                 "speed": self.speed, "chunk_size": self.chunk_size, "overrides": self.overrides,
-                "quick": self.quick}
+                "quick": self.quick, "method_ratios": {m: list(r) for m, r in self.method_ratios.items()}}
 
 
 class BenchHooks:
@@ -197,6 +210,7 @@ class AccuracyRecord:
     stored_bytes: int
     full_bytes: int
     compress_seconds: float
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -343,7 +357,8 @@ class BenchRunner:
         combos: list[tuple[str, float]] = [("full", FULL_RATIO)]
         for method in self.result.methods:
             if method != "full":
-                combos += [(method, float(r)) for r in self.config.ratios]
+                ratios = self.config.method_ratios.get(method) or self.config.ratios
+                combos += [(method, float(r)) for r in ratios]
         return combos
 
     def _staged(self, text: str) -> tuple[Session, float]:
@@ -418,7 +433,7 @@ class BenchRunner:
         for length in cfg.lengths:
             tokens = self.fit_length(length)
             for task in cfg.tasks:
-                samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens)
+                samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
                 for k, sample in enumerate(samples):
                     where = f"{task} {_label(length)} #{k + 1}"
                     self.hooks.advance(f"{where}: prefill", units=0)
@@ -445,13 +460,13 @@ class BenchRunner:
                 length: int) -> AccuracyRecord:
         fork = self._fork(staged, method, ratio)
         mem = fork.memory()
-        answer, _ = fork.ask(sample.question, prime=sample.answer_prefix,
-                             max_new_tokens=self.config.max_new_tokens)
+        budget = answer_budget(sample, self.count_tokens, self.config.max_new_tokens)
+        answer, _ = fork.ask(sample.question, prime=sample.answer_prefix, max_new_tokens=budget)
         return AccuracyRecord(
             task=sample.task, length=length, tokens=staged.document_tokens, sample=index, depth=sample.depth,
             method=method, ratio=ratio, score=float(score(sample, answer)), answer=answer,
             achieved_ratio=mem.ratio, stored_bytes=mem.stored_bytes, full_bytes=mem.full_bytes,
-            compress_seconds=fork.compress_seconds)
+            compress_seconds=fork.compress_seconds, max_new_tokens=budget)
 
     # --- context: perplexity, speed, memory --------------------------------------------------------
     def run_contexts(self) -> None:

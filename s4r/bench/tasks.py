@@ -33,7 +33,9 @@ from s4r.errors import S4RError as S4RError  # re-exported: what load_book raise
 
 __all__ = [
     "TASKS",
+    "TASK_SETS",
     "NEEDLE_TASKS",
+    "answer_budget",
     "Sample",
     "books_dir",
     "load_book",
@@ -58,6 +60,13 @@ TASKS: list[str] = [
 NEEDLE_TASKS: tuple[str, ...] = ("niah_single_noise", "niah_single_book", "niah_multikey")
 
 DEFAULT_BOOK = "pride-and-prejudice"
+# defaults are tuned on one book and reported on another that tuning never used
+TUNING_BOOK = DEFAULT_BOOK
+HELDOUT_BOOK = "romeo-and-juliet"
+# named task selections (`s4r bench --tasks needles`); `needles` are the runs that chose the defaults
+TASK_SETS: dict[str, tuple[str, ...]] = {
+    "needles": ("niah_single_book", "niah_multikey", "niah_multivalue"),
+}
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH_INTRO = (
@@ -560,36 +569,40 @@ def make_sample(
     seed: int,
     count_tokens: Callable[[str], int],
     depth: float | None = None,
+    book: str = DEFAULT_BOOK,
 ) -> Sample:
     """Generate one sample of ``task`` whose context is about ``context_tokens`` tokens long.
 
     ``count_tokens`` is the caller's tokenizer length (the context lands within ~1.5% below the
     target for it). ``depth`` places the queried needle for the tasks in :data:`NEEDLE_TASKS`
     (random when ``None``) and is ignored by the others. The same arguments always give the
-    same sample.
+    same sample. ``book`` is the haystack of the book tasks; another book than the default also draws
+    other keys and numbers (a stream of its own), so tuning and held-out samples share nothing.
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be within [0, 1], got {depth}")
-    rng = random.Random(f"s4r-bench:{task}:{seed}")
+    stream = task if book == DEFAULT_BOOK else f"{task}:{book}"
+    rng = random.Random(f"s4r-bench:{stream}:{seed}")
     if task == "niah_single_noise":
         return _niah(task, "noise", context_tokens, rng, count_tokens, depth)
     if task == "niah_single_book":
-        return _niah(task, "book", context_tokens, rng, count_tokens, depth)
+        return _niah(task, book, context_tokens, rng, count_tokens, depth)
     if task == "niah_multikey":
-        return _niah(task, "book", context_tokens, rng, count_tokens, depth, num_keys=4)
+        return _niah(task, book, context_tokens, rng, count_tokens, depth, num_keys=4)
     if task == "niah_multivalue":
-        return _niah(task, "book", context_tokens, rng, count_tokens, None, num_values=4)
+        return _niah(task, book, context_tokens, rng, count_tokens, None, num_values=4)
     if task == "niah_multiquery":
-        return _niah(task, "book", context_tokens, rng, count_tokens, None, num_keys=4, num_queries=4)
+        return _niah(task, book, context_tokens, rng, count_tokens, None, num_keys=4, num_queries=4)
     if task == "variable_tracking":
         return _variable_tracking(context_tokens, rng, count_tokens)
     return _frequent_words(context_tokens, rng, count_tokens)
 
 
 def make_samples(
-    task: str, context_tokens: int, n: int, seed: int, count_tokens: Callable[[str], int]
+    task: str, context_tokens: int, n: int, seed: int, count_tokens: Callable[[str], int],
+    book: str = DEFAULT_BOOK,
 ) -> list[Sample]:
     """Generate ``n`` samples of ``task``; needle tasks get depths spread evenly over [0.05, 0.95].
 
@@ -603,8 +616,15 @@ def make_samples(
         depth = None
         if task in NEEDLE_TASKS:
             depth = 0.5 if n == 1 else 0.05 + 0.9 * i / (n - 1)
-        out.append(make_sample(task, context_tokens, seed * 1_000_003 + i, count_tokens, depth))
+        out.append(make_sample(task, context_tokens, seed * 1_000_003 + i, count_tokens, depth, book))
     return out
+
+
+def answer_budget(sample: Sample, count_tokens: Callable[[str], int], cap: int) -> int:
+    """New tokens an answer to ``sample`` needs: its references listed as the model would (", "-joined,
+    after a space) plus a few tokens of slack, at most ``cap``. Scoring only looks for the references,
+    so longer answers cost decode time and change no score."""
+    return max(1, min(cap, count_tokens(" " + ", ".join(sample.answers) + ".") + 4))
 
 
 def needle_sample(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..cache import S4RCache
 from ..rope import RopeFn
@@ -15,6 +16,10 @@ class CompressContext:
 
     rope: RopeFn | None
     ratio: float
+    # what methods that re-run the model need (kvzip): the model, its tokenizer and the prompt's ids
+    model: Any = None
+    tokenizer: Any = None
+    ids: Sequence[int] | None = None
 
 
 class Method(Protocol):

@@ -1,0 +1,157 @@
+"""Tuning runs: S4R settings compared by the likelihood of the reference answer, on the tuning book.
+
+Greedy answers score 0 or 100 and need many samples to separate two settings; the negative
+log-likelihood of the reference answer (teacher-forced after the question and the answer prefix) is a
+continuous figure from one forward per setting, so variants can be told apart with a few samples. Every
+sample is prefilled once and forked into every variant (as the bench does). The gap to the full cache
+is paired per sample, so its interval leaves the samples' own difficulty out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from s4r.bench.intervals import Interval, mean_interval
+from s4r.bench.tasks import TUNING_BOOK, Sample, make_samples
+from s4r.errors import BudgetError
+from s4r.session import Session
+
+
+def answer_nll(session: Session, sample: Sample) -> float:
+    """Mean NLL (nats per token) of the sample's reference answer after its question, through the
+    session's cache; the cache is truncated back afterwards, so the session can be reused."""
+    prompt = session._encode(session._turn_prefix() + sample.question.strip() + session.segments.to_assistant
+                             + sample.answer_prefix)
+    answer = session._encode(" " + ", ".join(sample.answers) + ".")
+    ids = torch.tensor([prompt + answer], dtype=torch.long, device=session.device)
+    start = session.logical_length
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
+    with torch.inference_mode():
+        out = session.model(input_ids=ids, position_ids=positions, cache=session.cache, use_cache=True,
+                            logits_to_keep=len(answer) + 1)
+        logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+        nll = -logp.gather(1, torch.tensor(answer, device=ids.device).unsqueeze(1)).mean().item()
+    session.cache.truncate(start)
+    return nll
+
+
+@dataclass
+class VariantResult:
+    """Answer NLLs of one variant, sample by sample (the same samples for every variant)."""
+
+    name: str
+    overrides: dict[str, Any]
+    nll: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    compress_seconds: list[float] = field(default_factory=list)
+
+    def gap(self, full: VariantResult) -> Interval:
+        """Mean of the per-sample NLL gaps to the full cache, with a paired t interval (nats, not 0-100)."""
+        diffs = [a - b for a, b in zip(self.nll, full.nll, strict=True)]
+        n = len(diffs)
+        if n < 2:
+            return Interval(diffs[0] if diffs else math.nan, math.nan, math.nan, n)
+        # mean_interval clips to 0-100; shift into range and back (the gaps are far below 50 nats)
+        ci = mean_interval([d + 50.0 for d in diffs])
+        return Interval(ci.mean - 50.0, ci.low - 50.0, ci.high - 50.0, n)
+
+
+def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks: Sequence[str], length: int,
+                     samples: int, ratio: float = 5.0, book: str = TUNING_BOOK, seed: int = 0,
+                     method: str = "s4r",
+                     note: Callable[[str], None] | None = None) -> dict[str, VariantResult]:
+    """Answer NLL of the full cache (key "full") and of `method` at `ratio` with each variant's
+    overrides, over `samples` samples of each task at `length` tokens of `book`."""
+    tok = loaded.tokenizer
+
+    def count(s: str) -> int:
+        return len(tok.encode(s, add_special_tokens=False))
+
+    results = {"full": VariantResult("full", {})}
+    results.update({name: VariantResult(name, ov) for name, ov in variants.items()})
+    for task in tasks:
+        for k, sample in enumerate(make_samples(task, length, samples, seed, count, book=book)):
+            staged = Session(loaded, method="full")
+            staged.ingest(sample.context, compress=False)
+            for name, res in results.items():
+                t0 = time.perf_counter()
+                try:
+                    fork = (staged.fork(method="full", ratio=1.0) if name == "full" else
+                            staged.fork(method=method, ratio=ratio, config_overrides=res.overrides))
+                except BudgetError:  # a variant that cannot reach the ratio (too many exact outliers)
+                    res.compress_seconds.append(math.nan)
+                    res.ratio.append(math.nan)
+                    res.nll.append(math.nan)
+                    continue
+                res.compress_seconds.append(time.perf_counter() - t0)
+                res.ratio.append(fork.memory().ratio)
+                res.nll.append(answer_nll(fork, sample))
+            if note is not None:
+                note(f"{task} #{k + 1}: " + ", ".join(f"{n} {r.nll[-1]:.3f}" for n, r in results.items()))
+    return results
+
+
+# the storage variants measured for the ratio-5 default (docs/notes-issue-7.md has the figures)
+TUNING_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "attn-outliers": {"outlier_score": "attention"},
+    "key_share=0.35": {"key_share": 0.35},
+    "key_share=0.65": {"key_share": 0.65},
+    "energy-ranks": {"rank_alloc": "energy"},
+    "outliers=0": {"outlier_fraction": 0.0},
+    "outliers=0.10": {"outlier_fraction": 0.10},
+    "outliers=0.12": {"outlier_fraction": 0.12},
+    "outliers=0.15": {"outlier_fraction": 0.15},
+    "outliers=0.10+ks0.65": {"outlier_fraction": 0.10, "key_share": 0.65},
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m s4r.bench.tuning [--length 4096] [--samples 4] [--variants a,b] [--json PATH]`: the
+    tuning runs that choose S4R's defaults (needle tasks of the tuning book, answer NLL at ratio 5)."""
+    import argparse
+    import json
+
+    from s4r.loading import load_model
+
+    parser = argparse.ArgumentParser(prog="python -m s4r.bench.tuning", description=main.__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--ratio", type=float, default=5.0)
+    parser.add_argument("--tasks", default="niah_single_book,niah_multikey")
+    parser.add_argument("--variants", default=",".join(TUNING_VARIANTS), help="names of TUNING_VARIANTS")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in TUNING_VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TUNING_VARIANTS)}")
+    loaded = load_model(args.model)
+    t0 = time.perf_counter()
+    results = compare_variants(loaded, {n: TUNING_VARIANTS[n] for n in names}, tasks=args.tasks.split(","),
+                               length=args.length, samples=args.samples, ratio=args.ratio,
+                               note=lambda m: print(f"[{time.perf_counter() - t0:.0f} s] {m}", flush=True))
+    full = results["full"]
+    doc = {}
+    for name, res in results.items():
+        gap = res.gap(full)
+        doc[name] = {"overrides": res.overrides, "nll": res.nll, "gap": gap.mean, "gap_low": gap.low,
+                     "gap_high": gap.high, "samples": gap.n, "ratio": sum(res.ratio) / len(res.ratio),
+                     "compress_seconds": sum(res.compress_seconds) / len(res.compress_seconds)}
+        print(f"{name:22s} answer NLL gap {gap.mean:+.3f} [{gap.low:+.3f}, {gap.high:+.3f}] n={gap.n}  "
+              f"ratio {doc[name]['ratio']:.2f}  compress {doc[name]['compress_seconds']:.1f} s")
+    print(f"wall {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The tuning runs' figure: NLL of the reference answer, teacher-forced through a session's cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from s4r.bench.tasks import Sample
+from s4r.bench.tuning import TUNING_VARIANTS, VariantResult, answer_nll, compare_variants
+from s4r.session import Session
+from tests.helpers import CharTokenizer
+from tests.test_methods import model_for
+
+
+def _loaded():
+    return SimpleNamespace(model=model_for(), tokenizer=CharTokenizer(), name="tiny", device="cpu",
+                           dtype=torch.float32, context_length=4096)
+
+
+def test_answer_nll_is_the_teacher_forced_loss_and_leaves_the_cache_as_it_was():
+    loaded = _loaded()
+    sample = Sample("niah_single_noise", "The grass is green. " * 20, "What colour?", ["green"], "all", None,
+                    "The colour is")
+    session = Session(loaded, method="full")
+    session.ingest(sample.context)
+    before = session.logical_length
+    nll = answer_nll(session, sample)
+    assert session.logical_length == before
+    assert answer_nll(session, sample) == nll  # repeatable: nothing of the first call stayed behind
+    # the same loss computed by hand with a fresh session
+    fresh = Session(loaded, method="full")
+    fresh.ingest(sample.context)
+    tok = loaded.tokenizer
+    prompt = tok.encode(fresh._turn_prefix() + sample.question + fresh.segments.to_assistant
+                        + sample.answer_prefix)
+    answer = tok.encode(" green.")
+    ids = torch.tensor([prompt + answer])
+    with torch.inference_mode():
+        out = loaded.model(input_ids=ids, position_ids=torch.arange(before, before + ids.shape[1])[None],
+                           cache=fresh.cache, use_cache=True)
+    logp = torch.log_softmax(out.logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+    expected = -logp.gather(1, torch.tensor(answer)[:, None]).mean().item()
+    assert abs(nll - expected) < 1e-4
+
+
+def test_compare_variants_pairs_every_variant_with_the_full_cache():
+    results = compare_variants(_loaded(), {"default": TUNING_VARIANTS["default"]},
+                               tasks=["niah_single_noise"], length=700, samples=2, ratio=2.0)
+    assert set(results) == {"full", "default"}
+    assert len(results["full"].nll) == len(results["default"].nll) == 2
+    assert all(r >= 2.0 for r in results["default"].ratio)
+    gap = results["default"].gap(results["full"])
+    assert gap.n == 2 and gap.low <= gap.mean <= gap.high
+    assert VariantResult("x", {}, nll=[1.0, 2.0]).gap(VariantResult("f", {}, nll=[1.0, 1.0])).mean == 0.5
