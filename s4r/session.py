@@ -212,10 +212,12 @@ class Session:
                progress: Callable[[int, int], None] | None = None, compress: bool = True) -> IngestStats:
         """Add one document (or several, joined) to the conversation and compress the cache.
 
-        The first ingest prefills into a full-precision staging cache and compresses it once; later
-        ones go through the compressed cache and fold into coefficients with the existing bases.
-        With `compress=False` the first ingest stays staged, so `fork` can compress copies of it with
-        several methods (the benchmark prefills each document once).
+        The first ingest goes layer by layer (each layer compressed when complete) or, where that
+        cannot apply, in token chunks into a full-precision staging cache compressed once at the end
+        (`ingest_mode_for`); later ones go through the compressed cache and fold into coefficients with
+        the existing bases. A document too short for the ratio is kept uncompressed
+        (`uncompressed_reason`). With `compress=False` the first ingest stays staged, so `fork` can
+        compress copies of it with several methods (the benchmark prefills each document once).
         """
         texts = [text] if isinstance(text, str) else list(text)
         body = "\n\n".join(t.strip("\n") for t in texts)
