@@ -30,6 +30,7 @@ from s4r.generation import prefill
 from s4r.methods import CompressContext, make_method
 from s4r.rope import model_rope_fn
 
+from .runner import parse_lengths
 from .speed import teacher_force
 
 PLAIN = "transformers"
@@ -145,11 +146,6 @@ def markdown(rows: list[SpeedRow]) -> str:
     return "\n".join(lines)
 
 
-def _tokens(text: str) -> int:
-    text = text.strip().lower()
-    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m s4r.bench.decode_speed",
                                      description=__doc__.split("\n")[0])
@@ -167,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
-        lengths = [_tokens(x) for x in args.lengths.split(",")]
+        lengths = list(parse_lengths(args.lengths.split(",")))
         ratios = [float(x) for x in args.ratios.split(",")]
     except ValueError:
         print("error: --lengths like 2k,8k and --ratios like 2.5,5", file=sys.stderr)

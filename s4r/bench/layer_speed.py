@@ -24,7 +24,8 @@ from s4r.budget import KVShape, solve_ranks
 from s4r.compress import compress_layer
 from s4r.config import S4RConfig
 
-from .decode_speed import _tokens, book_ids, staged_cache
+from .decode_speed import book_ids, staged_cache
+from .runner import parse_lengths
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        lengths = [_tokens(x) for x in args.lengths.split(",")]
+        lengths = list(parse_lengths(args.lengths.split(",")))
         ratios = [float(x) for x in args.ratios.split(",")]
         layer_ids = [int(x) for x in args.layers.split(",")]
     except ValueError:
