@@ -21,7 +21,8 @@ from .rope import RopeFn
 
 FORMAT = "s4r-cache/1"
 _LOWRANK_KEYS = ("sink_k", "sink_v", "basis_k", "basis_v", "coef_k", "coef_v", "scale_k", "scale_v",
-                 "query_coef", "buf_k", "buf_v", "out_idx", "out_k", "out_v", "relevance")
+                 "query_coef", "buf_k", "buf_v", "out_idx", "out_k", "out_v", "relevance",
+                 "tail_k", "tail_v", "tail_step_k", "tail_step_v")
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
