@@ -113,7 +113,7 @@ class S4RConfig:
         size) takes the ShadowKV/xKV choice or ours."""
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
-                   outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
+                   coef_bands=None, outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
                    scoring="summed")
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
