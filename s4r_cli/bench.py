@@ -279,9 +279,9 @@ def _check_random_fits(model: str, device: str, dtype: str, cfg: BenchConfig) ->
     from s4r.bench.runner import LENGTH_MARGIN
     from s4r.bench.speed import check_lengths_fit, param_count
     from s4r.budget import KVShape
-    from s4r.loading import build_config as arch_config
-    from s4r.loading import resolve_device, resolve_dtype
+    from s4r.device import resolve_device, resolve_dtype
     from s4r.profiles import load_profile
+    from s4r.random_model import build_config as arch_config
     from s4r.session import ANSWER_HEADROOM
 
     profile = load_profile(model)

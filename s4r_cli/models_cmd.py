@@ -49,7 +49,8 @@ def system_info() -> dict[str, Any]:
     """What `s4r info` reports, as plain data."""
     import torch
 
-    from s4r.loading import cpu_supports_bf16, resolve_device, resolve_dtype, s4r_home
+    from s4r.device import cpu_supports_bf16, resolve_device, resolve_dtype
+    from s4r.model_store import s4r_home
 
     device = resolve_device("auto")
     info: dict[str, Any] = {
