@@ -58,7 +58,7 @@ def check_ratio(ratio: float, error: type[Exception] = ValueError, *, name: str 
 def check_device_spec(device: str, error: type[Exception] = ValueError) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, lower-cased; the shape only (whether the GPU is there is
     for :func:`s4r.device.resolve_device` to say)."""
-    spec = (device or "auto").strip().lower()
+    spec = device.strip().lower()
     if not DEVICE_RE.fullmatch(spec):
         raise error(f"--device must be auto, cpu, cuda or cuda:N, got '{device}'")
     return spec

@@ -22,7 +22,8 @@ import click
 import typer
 
 from s4r_cli import ask, books_cmd, chat, models_cmd
-from s4r_cli.common import METHOD_HELP, PipeClosed, UsageError, error_message
+from s4r_cli.cli_errors import PipeClosed, UsageError, error_message
+from s4r_cli.options import METHOD_HELP
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from s4r_cli.common import UsageError
+from s4r_cli.cli_errors import UsageError
 
 # Refuse bigger documents up front: even the longest-context models hold far less than this.
 MAX_DOCUMENT_BYTES = 256 * 1024 * 1024

@@ -10,8 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
-from s4r_cli.common import DEFAULT_MODEL, pipe_guard
-from s4r_cli.ui import UI, gib, short_dtype
+from s4r.units import gib
+from s4r_cli.cli_errors import pipe_guard
+from s4r_cli.options import DEFAULT_MODEL
+from s4r_cli.ui import UI, short_dtype
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
