@@ -30,11 +30,11 @@ from s4r_cli.bench_options import (
 from s4r_cli.bench_progress import BenchProgress, progress_bars
 from s4r_cli.checks import check_device, check_model_spec
 from s4r_cli.cli_errors import UsageError, pipe_guard
-from s4r_cli.options import ModelOptions, with_options
+from s4r_cli.options import METHODS_PLACEHOLDER, ModelOptions, with_options
 from s4r_cli.ui import UI, is_tty, seconds
 
 if TYPE_CHECKING:  # the library imports torch; keep `s4r bench --help` and option errors fast
-    from s4r.bench.runner import BenchResult
+    from s4r.bench.records import BenchResult
 
 _RUN = "What to run"
 _OUT = "Output"
@@ -95,9 +95,10 @@ def bench(
              "kvzip, ratios 2.5 and 5, a short perplexity continuation.")] = False,
     methods: Annotated[str | None, typer.Option(
         "--methods", rich_help_panel=_RUN, show_default=False,
-        help="Comma-separated methods (default: full,s4r,s4r-paper,streaming,snapkv,svd,offline,quant,"
-             "kvzip); full always runs as the reference. name@ratio runs a method at that ratio only, e.g. "
-             "s4r@2.5,s4r@5,quant@5,kvzip@5.")] = None,
+        help=f"Comma-separated methods (default: every one of {METHODS_PLACEHOLDER}); full always runs as "
+             "the reference. name@ratio runs a method at that ratio only, e.g. "
+             "s4r@2.5,s4r@5,quant@5,kvzip@5.")]
+    = None,
     ratios: Annotated[str | None, typer.Option(
         "--ratios", rich_help_panel=_RUN, show_default=False,
         help="Comma-separated compression ratios (default: 2.5,5).")] = None,

@@ -19,18 +19,17 @@ def _split(text: str | None) -> list[str]:
 
 
 def parse_methods(text: str | None) -> tuple[str, ...] | None:
-    """Comma-separated method names; a name no version of the benchmark knows is a usage error.
+    """Comma-separated method names; a name the registry (s4r.methods.METHODS) lacks is a usage error.
 
-    Names the benchmark knows but this library cannot build are left to the runner, which skips them
-    with a warning. `name@ratio` runs that method at that ratio only (see parse_method_ratios).
+    A registered method this machine cannot build is left to the runner, which skips it with a warning.
+    `name@ratio` runs that method at that ratio only (see parse_method_ratios).
     """
-    from s4r.bench.runner import DEFAULT_METHODS
     from s4r.methods import METHODS
 
     names = [n.split("@", 1)[0].strip() for n in _split(text)]
     if text is not None and not names:
         raise UsageError("--methods needs at least one method name")
-    known = set(DEFAULT_METHODS) | set(METHODS)
+    known = set(METHODS)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
@@ -71,7 +70,7 @@ def parse_length_list(text: str | None) -> tuple[int, ...] | None:
     """Comma-separated context lengths: tokens, with k = 1024 (2k,4k,8k or 2048,4096)."""
     if text is None:
         return None
-    from s4r.bench.runner import parse_lengths
+    from s4r.bench.config import parse_lengths
 
     try:
         lengths = parse_lengths(_split(text))
@@ -144,7 +143,7 @@ def check_plot(path: Path | None) -> None:
 # --- configuration -----------------------------------------------------------------------------------
 
 def _random_lengths(context_length: int) -> tuple[int, ...]:
-    from s4r.bench.runner import RANDOM_WEIGHTS_LENGTHS
+    from s4r.bench.config import RANDOM_WEIGHTS_LENGTHS
 
     fitting = tuple(n for n in RANDOM_WEIGHTS_LENGTHS if n <= context_length)
     return fitting or (context_length,)
@@ -159,7 +158,7 @@ def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[
 
     `random_context` is the context length of a random-weight profile (speed only, long lengths).
     """
-    from s4r.bench.runner import BenchConfig
+    from s4r.bench.config import BenchConfig
 
     cfg = BenchConfig.quick_preset() if quick else BenchConfig()
     changes: dict[str, Any] = {"seed": seed}
@@ -191,7 +190,7 @@ def build_config(*, quick: bool, methods: tuple[str, ...] | None, ratios: tuple[
 
 def check_random_fits(model: str, device: str, dtype: str, cfg: BenchConfig) -> None:
     """Before building a random-weight model: refuse lengths whose weights + caches cannot fit."""
-    from s4r.bench.runner import LENGTH_MARGIN
+    from s4r.bench.config import LENGTH_MARGIN
     from s4r.bench.speed import check_lengths_fit, param_count
     from s4r.budget import KVShape
     from s4r.device import resolve_device, resolve_dtype

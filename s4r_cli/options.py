@@ -81,9 +81,11 @@ RatioOpt = Annotated[float, typer.Option(
     help="KV-cache compression ratio: the cache is stored in 1/RATIO of its full size (1 to 1000).")]
 # the list of methods is filled in from s4r.methods.METHODS when help is shown (app.fill_method_help):
 # importing the library here would load torch for every command
-METHOD_HELP = "The KV-cache method: {methods}. s4r compresses; full is the uncompressed reference."
+# stands for the registered methods until help is shown (app.fill_method_help puts the list in)
+METHODS_PLACEHOLDER = "s4r, full, …"
 MethodOpt = Annotated[str, typer.Option(
-    "--method", rich_help_panel=_CACHE, help=METHOD_HELP.format(methods="s4r, full, …"))]
+    "--method", rich_help_panel=_CACHE,
+    help=f"The KV-cache method: {METHODS_PLACEHOLDER}. s4r compresses; full is the uncompressed reference.")]
 TruncateOpt = Annotated[Truncate | None, typer.Option(
     "--truncate", case_sensitive=False, rich_help_panel=_CACHE,
     help="If a document is longer than the context: head keeps its start, tail its end, middle cuts out "

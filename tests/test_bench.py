@@ -12,17 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from s4r.bench.config import DEFAULT_METHODS, QUICK_METHODS, QUICK_TASKS, BenchConfig, parse_lengths
+from s4r.bench.records import BenchHooks
 from s4r.bench.report import tables, to_json, write_json
-from s4r.bench.runner import (
-    DEFAULT_METHODS,
-    QUICK_METHODS,
-    QUICK_TASKS,
-    BenchConfig,
-    BenchHooks,
-    BenchRunner,
-    parse_lengths,
-    run_bench,
-)
+from s4r.bench.runner import BenchRunner, run_bench
 from s4r.bench.speed import check_lengths_fit, param_count, plan_memory, teacher_force
 from s4r.budget import KVShape
 from s4r.errors import DeviceError

@@ -30,7 +30,7 @@ from s4r.generation import prefill
 from s4r.methods import CompressContext, make_method
 from s4r.rope import model_rope_fn
 
-from .runner import parse_lengths
+from .config import parse_lengths
 from .speed import teacher_force
 
 PLAIN = "transformers"

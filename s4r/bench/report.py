@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 import torch
 
 from s4r.bench.intervals import score_interval, stratified_interval
-from s4r.bench.runner import AccuracyRecord, BenchResult, ContextRecord
+from s4r.bench.records import AccuracyRecord, BenchResult, ContextRecord
 
 __all__ = ["SCHEMA", "Table", "machine_info", "plot", "tables", "to_json", "write_json"]
 
