@@ -57,7 +57,7 @@ def _command_line() -> str:
 
 
 def _print_tables(ui: UI, doc: dict[str, Any]) -> None:
-    from s4r.bench.report import tables
+    from s4r.bench.report_tables import tables
 
     for table in tables(doc):
         ui.table(table.title, table.columns, table.rows)
@@ -71,7 +71,8 @@ def _summary_line(result: BenchResult) -> str:
 
 
 def _write_outputs(doc: dict[str, Any], json_path: Path | None, plot_path: Path | None, err: Console) -> None:
-    from s4r.bench.report import plot, write_json
+    from s4r.bench.report import write_json
+    from s4r.bench.report_plot import plot
 
     if json_path is not None:
         write_json(doc, json_path)

@@ -9,7 +9,8 @@ from typing import Any
 from s4r.bench.config import BenchConfig
 from s4r.bench.speed import DecodeTiming
 
-__all__ = ["AccuracyRecord", "BenchHooks", "BenchResult", "ContextRecord", "Issue", "LengthInfo"]
+__all__ = ["AccuracyRecord", "BenchHooks", "BenchResult", "ContextRecord", "Issue", "LengthInfo",
+           "length_label"]
 
 
 class BenchHooks:
@@ -120,3 +121,8 @@ class BenchResult:
     def errors(self) -> list[Issue]:
         """The failures (not the skips of unreachable ratios)."""
         return [i for i in self.issues if i.kind == "error"]
+
+
+def length_label(n: int) -> str:
+    """A context length as tables and logs show it: 8k for 8192, 3,000 for 3000."""
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"

@@ -31,7 +31,15 @@ import torch
 
 from s4r.bench.config import FULL_RATIO, LENGTH_MARGIN, BenchConfig
 from s4r.bench.perplexity import NLLMeter, context_and_continuation, token_nll
-from s4r.bench.records import AccuracyRecord, BenchHooks, BenchResult, ContextRecord, Issue, LengthInfo
+from s4r.bench.records import (
+    AccuracyRecord,
+    BenchHooks,
+    BenchResult,
+    ContextRecord,
+    Issue,
+    LengthInfo,
+    length_label,
+)
 from s4r.bench.scoring import score
 from s4r.bench.speed import check_lengths_fit, model_bytes, synchronize, teacher_force
 from s4r.bench.tasks import answer_budget, make_samples
@@ -43,10 +51,6 @@ from s4r.methods import make_method
 from s4r.session import ANSWER_HEADROOM, Session
 
 __all__ = ["BenchRunner", "run_bench"]
-
-
-def _label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
 def _combo_label(method: str, ratio: float) -> str:
@@ -91,7 +95,7 @@ class BenchRunner:
         issue = Issue(kind, phase, method, ratio, length, message)
         self._issue_index[key] = issue
         self.result.issues.append(issue)
-        where = f"{_combo_label(method, ratio or FULL_RATIO)}" + (f" at {_label(length)}" if length else "")
+        where = _combo_label(method, ratio or FULL_RATIO) + (f" at {length_label(length)}" if length else "")
         self.hooks.warn(f"{phase}: {where} {'skipped' if kind == 'skipped' else 'failed'}: {message}")
 
     def _attempt(self, phase: str, method: str, ratio: float, length: int | None,
@@ -120,7 +124,8 @@ class BenchRunner:
         if length not in self._clamped:
             self._clamped.add(length)
             self.hooks.warn(f"{length:,} tokens do not fit the model's {self.loaded.context_length:,}-token "
-                            f"context with room for the question; using {limit:,} for '{_label(length)}'")
+                            f"context with room for the question; using {limit:,} for "
+                            f"'{length_label(length)}'")
         return limit
 
     def _overrides(self, method: str) -> dict[str, Any] | None:
@@ -209,7 +214,7 @@ class BenchRunner:
             for task in cfg.tasks:
                 samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
                 for k, sample in enumerate(samples):
-                    where = f"{task} {_label(length)} #{k + 1}"
+                    where = f"{task} {length_label(length)} #{k + 1}"
                     self.hooks.advance(f"{where}: prefill", units=0)
                     staged = self._attempt("accuracy", "full", FULL_RATIO, length,
                                            lambda s=sample: self._staged(s.context)[0])
@@ -268,14 +273,14 @@ class BenchRunner:
         # one more token than scored: the first continuation token is only read, never predicted
         context, continuation, natural = context_and_continuation(tokens, feed + 1, self.count_tokens)
         if ppl and not natural:
-            self.hooks.warn(f"the book is too short for a natural {_label(length)} perplexity text; the "
-                            "repeated book is used (perplexity there is not meaningful)")
+            self.hooks.warn(f"the book is too short for a natural {length_label(length)} perplexity text; "
+                            "the repeated book is used (perplexity there is not meaningful)")
         ids = self.loaded.tokenizer.encode(continuation, add_special_tokens=False)[: feed + 1]
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.hooks.advance(f"{_label(length)}: prefill", units=0)
+        self.hooks.advance(f"{length_label(length)}: prefill", units=0)
         staged_or_none = self._attempt("context", "full", FULL_RATIO, length, lambda: self._staged(context))
-        self.hooks.advance(f"{_label(length)}: prefill")
+        self.hooks.advance(f"{length_label(length)}: prefill")
         if staged_or_none is None:
             self.hooks.advance(units=len(combos) + feed + 1)
             return
@@ -284,7 +289,7 @@ class BenchRunner:
         records: list[ContextRecord] = []
         # compressed forks first and the full copy last, so the staged cache can go right after
         for method, ratio in [c for c in combos if c[0] != "full"] + [("full", FULL_RATIO)]:
-            self.hooks.advance(f"{_label(length)}: compress {_combo_label(method, ratio)}", units=0)
+            self.hooks.advance(f"{length_label(length)}: compress {_combo_label(method, ratio)}", units=0)
             before = torch.cuda.memory_allocated(self.device) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -292,7 +297,7 @@ class BenchRunner:
             fork = self._attempt("context", method, ratio, length,
                                  lambda m=method, r=ratio, st=staged: self._fork(st, m, r))
             synchronize(self.device)
-            self.hooks.advance(f"{_label(length)}: compress {_combo_label(method, ratio)}")
+            self.hooks.advance(f"{length_label(length)}: compress {_combo_label(method, ratio)}")
             if fork is None:
                 continue
             mem = fork.memory()
@@ -316,7 +321,7 @@ class BenchRunner:
                 meters[j].add(token_nll(logits, ids[i + 1]))
 
         def on_step(i: int) -> None:
-            self.hooks.advance(f"{_label(length)}: decode {i + 1}/{len(ids)}")
+            self.hooks.advance(f"{length_label(length)}: decode {i + 1}/{len(ids)}")
 
         timings = teacher_force(sessions, ids, warmup=self.config.warmup_steps, on_logits=on_logits,
                                 on_step=on_step, failed=failed)
@@ -334,7 +339,7 @@ class BenchRunner:
         rss = peak_memory_bytes(torch.device("cpu"))
         self.result.lengths.append(LengthInfo(length, doc_tokens, natural, prefill_s, len(ids), ppl, speed,
                                               rss, cuda_peak))
-        self.hooks.note(f"context {_label(length)}: prefill {prefill_s:.1f} s, {len(sessions)} forks, "
+        self.hooks.note(f"context {length_label(length)}: prefill {prefill_s:.1f} s, {len(sessions)} forks, "
                         f"{len(ids)} tokens decoded")
 
     # --- everything -------------------------------------------------------------------------------
