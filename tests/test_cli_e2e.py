@@ -86,9 +86,8 @@ def test_ask_json_has_every_key(smollm2: Any, excerpt: Path) -> None:
 
 def test_save_in_repl_then_load_gives_the_same_answer(smollm2: object, excerpt: Path, tmp_path: Path) -> None:
     """/save from a REPL over a real session, then `s4r ask --load` in a new process, same question."""
-    from s4r_cli.common import GenerationSettings
-
     from s4r.session import Session
+    from s4r_cli.generation_settings import GenerationSettings
     from s4r_cli.repl import ChatState, CommandHandler
     from s4r_cli.ui import UI
 
