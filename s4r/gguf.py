@@ -146,6 +146,7 @@ def convert_into_cache(
     context_length: int | None,
     progress: Progress | None,
 ) -> None:
+    """Convert ``gguf`` into a temp folder next to ``final``, then move it into place atomically."""
     tmp = tmp_name(final.parent, final.name)
     try:
         convert_gguf(gguf, tmp, key=key, extra=extra, context_length=context_length, progress=progress)

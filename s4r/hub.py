@@ -37,6 +37,7 @@ def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
 
 
 def hub_offline() -> bool:
+    """Whether to use only the local Hugging Face cache: offline mode is set, or the hub cannot be reached."""
     try:
         from huggingface_hub import constants
 
@@ -51,6 +52,7 @@ def hub_offline() -> bool:
 def load_hub(
     hf_id: str, *, progress: Progress | None, **kw: Any
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``hf_id`` from the hub, or from the local cache alone when offline (one clear line if absent)."""
     offline = hub_offline()
     # Hub downloads have no fraction to report (their own bars are silenced), only that they happen.
     if offline:

@@ -34,6 +34,7 @@ def models_dir() -> Path:
 
 
 def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -80,6 +81,7 @@ def clean_stale(parent: Path) -> None:
 
 
 def tmp_name(parent: Path, label: str) -> Path:
+    """A hidden temp folder name in ``parent`` holding our pid (clean_stale removes it once we are gone)."""
     return parent / f".{label}-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 

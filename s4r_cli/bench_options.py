@@ -129,6 +129,7 @@ def check_output(path: str | None, option: str) -> Path | None:
 
 
 def check_plot(path: Path | None) -> None:
+    """--plot needs matplotlib and a file type it writes."""
     if path is None:
         return
     try:

@@ -55,6 +55,7 @@ class BenchProgress:
 
 
 def progress_bars(err: Console) -> Progress:
+    """The bars of a run on a terminal: spinner, phase, bar, count, elapsed, eta, what runs now."""
     return Progress(SpinnerColumn(), TextColumn("[bold]{task.description:<8}"), BarColumn(),
                     MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                     TextColumn("[dim]{task.fields[detail]}"), console=err, transient=True)

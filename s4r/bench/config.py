@@ -103,6 +103,7 @@ class BenchConfig:
         return tuple(sorted(set(speed) | set(self.ppl_lengths())))
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON values (the report's ``config``)."""
         return {"methods": list(self.methods), "ratios": list(self.ratios), "lengths": list(self.lengths),
                 "perplexity_lengths": list(self.ppl_lengths()), "tasks": list(self.tasks),
                 "samples": self.samples, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
