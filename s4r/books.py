@@ -118,3 +118,20 @@ def book_text(name: str) -> str:
     body = re.sub(r"\[Illustration(?:[^\[\]]|\[[^\[\]]*\])*\]", "", body)
     paragraphs = [" ".join(block.split()) for block in re.split(r"\n[ \t]*\n", body)]
     return "\n\n".join(p for p in paragraphs if p)
+
+
+DEFAULT_BOOK = "pride-and-prejudice"
+
+
+@functools.lru_cache(maxsize=4)
+def load_book(name: str = DEFAULT_BOOK) -> str:
+    """:func:`book_text`, cached (the bench and the offline calibration read the same books again and
+    again). ``name`` is the file stem, e.g. ``"romeo-and-juliet"``."""
+    return book_text(name)
+
+
+def books_dir() -> Path:
+    """The folder books are read from first: ``$S4R_BOOKS_DIR`` when set, else the books shipped inside the
+    package (``s4r/data``)."""
+    env = os.environ.get(BOOKS_ENV)
+    return Path(env).expanduser() if env else SHIPPED_DIR

@@ -34,3 +34,9 @@ class ModelLoadError(S4RError):
 
 class DeviceError(S4RError):
     """The requested device (or quantization) is not available on this machine."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text (library errors can run to pages), or its type."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__

@@ -22,7 +22,8 @@ import click
 import typer
 
 from s4r_cli import ask, books_cmd, chat, models_cmd
-from s4r_cli.common import METHOD_HELP, PipeClosed, UsageError, error_message
+from s4r_cli.cli_errors import PipeClosed, UsageError, error_message
+from s4r_cli.options import METHODS_PLACEHOLDER
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
@@ -102,7 +103,7 @@ def _silence_stdout() -> None:
 
 
 def fill_method_help(command: click.Command) -> None:
-    """Put every registered method (s4r.methods.METHODS) into the --method help of each subcommand.
+    """Put every registered method (s4r.methods.METHODS) into the --method(s) help of each subcommand.
 
     Done only when help is shown: the list lives in the library, whose import loads torch.
     """
@@ -112,8 +113,8 @@ def fill_method_help(command: click.Command) -> None:
         return
     for sub in getattr(command, "commands", {}).values():
         for param in sub.params:
-            if param.name == "method" and getattr(param, "help", None):
-                param.help = METHOD_HELP.format(methods=", ".join(METHODS))
+            if param.name in ("method", "methods") and getattr(param, "help", None):
+                param.help = param.help.replace(METHODS_PLACEHOLDER, ", ".join(METHODS))
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -8,41 +8,11 @@ from typing import Annotated, Any
 
 import typer
 
-from s4r_cli.common import (
-    DEFAULT_MODEL,
-    BookOpt,
-    CommonArgs,
-    DeviceOpt,
-    Dtype,
-    DtypeOpt,
-    FileOpt,
-    Ingest,
-    IngestOpt,
-    LoadOpt,
-    LoopGuardOpt,
-    MaxNewTokensOpt,
-    MethodOpt,
-    ModelOpt,
-    Quant,
-    QuantOpt,
-    RatioOpt,
-    RepeatPenaltyOpt,
-    RopeScalingOpt,
-    SeedOpt,
-    SystemOpt,
-    TemperatureOpt,
-    ThreadsOpt,
-    TopPOpt,
-    TruncateOpt,
-    UsageError,
-    check_cache_path,
-    check_method,
-    check_model_spec,
-    common_args,
-    pipe_guard,
-)
+from s4r_cli.checks import check_cache_path, check_method, check_model_spec
+from s4r_cli.cli_errors import UsageError, pipe_guard
 from s4r_cli.documents import Document, read_book_documents, read_document_stream, read_documents, stdin_bytes
-from s4r_cli.session_setup import load_model, open_session
+from s4r_cli.options import CommonArgs, common_args, with_options
+from s4r_cli.session_setup import open_model, open_session
 from s4r_cli.ui import UI, short_dtype, stop_notice
 
 EXIT_INTERRUPTED = 130
@@ -51,26 +21,7 @@ EXIT_INTERRUPTED = 130
 def ask(
     ctx: typer.Context,
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="What to ask about the document.")],
-    file: FileOpt = None,
-    book: BookOpt = None,
-    load: LoadOpt = None,
-    model: ModelOpt = DEFAULT_MODEL,
-    ratio: RatioOpt = 5.0,
-    method: MethodOpt = "s4r",
-    truncate: TruncateOpt = None,
-    rope_scaling: RopeScalingOpt = None,
-    ingest: IngestOpt = Ingest.layerwise,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = Dtype.auto,
-    quant: QuantOpt = Quant.none,
-    max_new_tokens: MaxNewTokensOpt = 512,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    seed: SeedOpt = None,
-    repeat_penalty: RepeatPenaltyOpt = 1.1,
-    loop_guard: LoopGuardOpt = True,
-    system: SystemOpt = None,
-    threads: ThreadsOpt = None,
+    args: CommonArgs,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Model, cache and speed stats on stderr.")]
     = False,
     as_json: Annotated[bool, typer.Option("--json", help=(
@@ -84,11 +35,7 @@ def ask(
 
     Truncation, an uncompressed cache and an answer cut short are each said in one line on stderr.
     """
-    args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
-                       truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling, books=book,
-                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard,
-                       ingest=ingest)
+    args = common_args(ctx, args)
     with pipe_guard():
         code = run_ask(args, question, verbose=verbose, as_json=as_json)
     if code:
@@ -160,7 +107,7 @@ def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: 
     check_method(args.method)
 
     ui = UI.for_ask()
-    loaded = load_model(args, ui)
+    loaded = open_model(args, ui)
     session, ingest_seconds, dropped = open_session(args, loaded, docs, ui)
     if verbose:
         ui.header_plain(loaded, session, ingest_seconds)
@@ -184,4 +131,4 @@ def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: 
 
 def register(app: typer.Typer) -> None:
     """Add `ask` to the app."""
-    app.command()(ask)
+    app.command()(with_options(ask))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from s4r_cli.common import pipe_guard
+from s4r_cli.cli_errors import pipe_guard
 from s4r_cli.ui import UI
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]

@@ -6,79 +6,23 @@ import sys
 
 import typer
 
-from s4r_cli.common import (
-    DEFAULT_MODEL,
-    BookOpt,
-    CommonArgs,
-    DeviceOpt,
-    Dtype,
-    DtypeOpt,
-    FileOpt,
-    Ingest,
-    IngestOpt,
-    LoadOpt,
-    LoopGuardOpt,
-    MaxNewTokensOpt,
-    MethodOpt,
-    ModelOpt,
-    Quant,
-    QuantOpt,
-    RatioOpt,
-    RepeatPenaltyOpt,
-    RopeScalingOpt,
-    SeedOpt,
-    SystemOpt,
-    TemperatureOpt,
-    ThreadsOpt,
-    TopPOpt,
-    TruncateOpt,
-    UsageError,
-    check_cache_path,
-    check_method,
-    check_model_spec,
-    common_args,
-    pipe_guard,
-)
+from s4r_cli.checks import check_cache_path, check_method, check_model_spec
+from s4r_cli.cli_errors import UsageError, pipe_guard
 from s4r_cli.documents import read_book_documents, read_document_stream, read_documents, stdin_bytes
-from s4r_cli.session_setup import load_model, open_session
+from s4r_cli.options import CommonArgs, common_args, with_options
+from s4r_cli.session_setup import open_model, open_session
 from s4r_cli.ui import UI
 
 EXIT_INTERRUPTED = 130
 
 
-def chat(
-    ctx: typer.Context,
-    file: FileOpt = None,
-    book: BookOpt = None,
-    load: LoadOpt = None,
-    model: ModelOpt = DEFAULT_MODEL,
-    ratio: RatioOpt = 5.0,
-    method: MethodOpt = "s4r",
-    truncate: TruncateOpt = None,
-    rope_scaling: RopeScalingOpt = None,
-    ingest: IngestOpt = Ingest.layerwise,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = Dtype.auto,
-    quant: QuantOpt = Quant.none,
-    max_new_tokens: MaxNewTokensOpt = 512,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    seed: SeedOpt = None,
-    repeat_penalty: RepeatPenaltyOpt = 1.1,
-    loop_guard: LoopGuardOpt = True,
-    system: SystemOpt = None,
-    threads: ThreadsOpt = None,
-) -> None:
+def chat(ctx: typer.Context, args: CommonArgs) -> None:
     """Chat about documents held in a compressed KV cache.
 
     Text piped in (`cat book.txt | s4r chat`) is the document; the questions then come from the terminal.
     Enter sends; Esc Enter (Alt+Enter) or a trailing backslash starts a new line. /help lists the commands.
     """
-    args = common_args(ctx, model=model, device=device, dtype=dtype, quant=quant, ratio=ratio, method=method,
-                       truncate=truncate, system=system, files=file, load=load, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, seed=seed, rope_scaling=rope_scaling, books=book,
-                       threads=threads, repeat_penalty=repeat_penalty, loop_guard=loop_guard,
-                       ingest=ingest)
+    args = common_args(ctx, args)
     with pipe_guard():
         code = run_chat(args)
     if code:
@@ -119,7 +63,7 @@ def run_chat(args: CommonArgs) -> int:
     check_method(args.method)
 
     ui = UI.for_chat(questions)
-    loaded = load_model(args, ui)
+    loaded = open_model(args, ui)
     session, ingest_seconds, _ = open_session(args, loaded, docs, ui)
     ui.header(loaded, session, ingest_seconds)
 
@@ -132,4 +76,4 @@ def run_chat(args: CommonArgs) -> int:
 
 def register(app: typer.Typer) -> None:
     """Add `chat` to the app."""
-    app.command()(chat)
+    app.command()(with_options(chat))

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from s4r_cli.common import UsageError
+from s4r.units import mib
+from s4r_cli.cli_errors import UsageError
 
 # Refuse bigger documents up front: even the longest-context models hold far less than this.
 MAX_DOCUMENT_BYTES = 256 * 1024 * 1024
@@ -54,10 +55,6 @@ def decode_document(data: bytes, name: str) -> str:
     return text
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def read_document_file(path: str) -> Document:
     """Read and validate one document file; every failure is a one-line UsageError."""
     p = Path(path).expanduser()
@@ -70,7 +67,7 @@ def read_document_file(path: str) -> Document:
     if p.is_dir():
         raise UsageError(f"{path} is a directory, not a text file")
     if st.st_size > MAX_DOCUMENT_BYTES:
-        raise UsageError(f"{path} is {_mib(st.st_size)}; the limit is {_mib(MAX_DOCUMENT_BYTES)} "
+        raise UsageError(f"{path} is {mib(st.st_size)}; the limit is {mib(MAX_DOCUMENT_BYTES)} "
                          "(pass an excerpt instead)")
     try:
         data = p.read_bytes()
@@ -83,7 +80,7 @@ def read_document_stream(stream: IO[bytes], name: str = "<stdin>") -> Document:
     """Read a document from a binary stream (stdin), refusing more than MAX_DOCUMENT_BYTES."""
     data = stream.read(MAX_DOCUMENT_BYTES + 1)
     if len(data) > MAX_DOCUMENT_BYTES:
-        raise UsageError(f"{name} is more than {_mib(MAX_DOCUMENT_BYTES)}; pass an excerpt instead")
+        raise UsageError(f"{name} is more than {mib(MAX_DOCUMENT_BYTES)}; pass an excerpt instead")
     if not data:
         raise UsageError(f"{name} is empty; pipe a document in or pass --file FILE")
     return Document(name=name, text=decode_document(data, name))

@@ -10,8 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
-from s4r_cli.common import DEFAULT_MODEL, pipe_guard
-from s4r_cli.ui import UI, gib, short_dtype
+from s4r.units import gib
+from s4r_cli.cli_errors import pipe_guard
+from s4r_cli.options import DEFAULT_MODEL
+from s4r_cli.ui import UI, short_dtype
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
@@ -49,7 +51,8 @@ def system_info() -> dict[str, Any]:
     """What `s4r info` reports, as plain data."""
     import torch
 
-    from s4r.loading import cpu_supports_bf16, resolve_device, resolve_dtype, s4r_home
+    from s4r.device import cpu_supports_bf16, resolve_device, resolve_dtype
+    from s4r.model_store import s4r_home
 
     device = resolve_device("auto")
     info: dict[str, Any] = {

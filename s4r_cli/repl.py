@@ -25,18 +25,15 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import Output
 
 from s4r.errors import ContextTooLongError, S4RError
-from s4r_cli.common import (
-    SETTABLE,
-    GenerationSettings,
-    Truncate,
-    UsageError,
-    check_cache_path,
-    error_message,
-    method_label,
-)
+from s4r.units import mib
+from s4r_cli.checks import check_cache_path
+from s4r_cli.cli_errors import UsageError, error_message
 from s4r_cli.documents import read_document_file
+from s4r_cli.generation_settings import SETTABLE, GenerationSettings
+from s4r_cli.labels import method_label
+from s4r_cli.options import Truncate
 from s4r_cli.session_setup import ingest, report_uncompressed
-from s4r_cli.ui import UI, is_tty, mib, process_memory_text, seconds, stop_notice, turn_stats_line
+from s4r_cli.ui import UI, is_tty, process_memory_text, seconds, stop_notice, turn_stats_line
 
 EXIT_INTERRUPTED = 130
 
@@ -283,7 +280,7 @@ def _key_bindings() -> KeyBindings:
 
 def _history() -> History:
     """Persistent history in $S4R_HOME/history; in memory if that folder cannot be written."""
-    from s4r.loading import s4r_home  # chat has loaded the model by now, so this import is free
+    from s4r.model_store import s4r_home  # no torch: cheap even before the model loads
 
     home = s4r_home()
     try:

@@ -7,23 +7,23 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from s4r_cli.common import CommonArgs, UsageError, error_message
+from s4r_cli.cli_errors import UsageError, error_message
 from s4r_cli.documents import Document
+from s4r_cli.options import CommonArgs
 
 if TYPE_CHECKING:  # the library imports torch; keep input errors fast
     from s4r.session import IngestStats, Session
     from s4r_cli.ui import UI
 
 
-def load_model(args: CommonArgs, ui: UI) -> Any:
+def open_model(args: CommonArgs, ui: UI) -> Any:
     """Check the device, set the threads, then load the model with a progress display.
 
     Returns the LoadedModel. A device that is not there (`--device cuda` without a GPU) is bad input:
     UsageError, exit 2. With --rope-scaling, one warning line on stderr says how far the context reaches.
     """
     from s4r.errors import DeviceError
-    from s4r.loading import load_model as _load_model
-    from s4r.loading import resolve_device
+    from s4r.loading import load_model, resolve_device
     from s4r.threads import apply_threads
 
     try:
@@ -32,7 +32,7 @@ def load_model(args: CommonArgs, ui: UI) -> Any:
         raise UsageError(error_message(e)) from None
     apply_threads(args.threads, getattr(device, "type", str(device)))
     with ui.loading(args.model) as progress:
-        loaded = _load_model(args.model, device=args.device, dtype=args.dtype.value, quant=args.quant.value,
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype.value, quant=args.quant.value,
                              progress=progress, rope_scaling=args.rope_scaling)
     if args.rope_scaling is not None:
         sys.stderr.write(f"s4r: warning: RoPE scaling x{args.rope_scaling:g} extends the context to "

@@ -29,7 +29,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from s4r_cli.common import method_label
+from s4r.units import memory_size, mib
+from s4r_cli.labels import method_label
 
 LoadProgress = Callable[[str, "float | None"], None]
 IngestProgress = Callable[[int, int], None]
@@ -41,16 +42,6 @@ def is_tty(stream: Any) -> bool:
         return stream is not None and not stream.closed and stream.isatty()
     except (AttributeError, ValueError, OSError):
         return False
-
-
-def mib(n: float) -> str:
-    """Bytes as MiB with one decimal ("12.3 MiB")."""
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def gib(n: float) -> str:
-    """Bytes as GiB with one decimal."""
-    return f"{n / 2**30:,.1f} GiB"
 
 
 def short_dtype(dtype: Any) -> str:
@@ -95,13 +86,6 @@ def header_rows(loaded: Any, session: Any, ingest_seconds: float | None) -> list
          f"(×{mem.ratio:.2f} achieved, {mem.tokens:,} tokens)"),
     ]
     return rows
-
-
-def memory_size(n: float) -> str:
-    """Bytes in at most 9 characters: 31.8 MiB, 167 MiB, 1.2 GiB."""
-    if n >= 2**30:
-        return gib(n)
-    return f"{n / 2**20:.0f} MiB" if n >= 100 * 2**20 else mib(n)
 
 
 # the stats line stays within this many columns whatever the figures (a wrapped line reads as two)

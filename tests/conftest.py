@@ -9,6 +9,9 @@ import pytest
 if TYPE_CHECKING:
     from s4r.loading import LoadedModel
 
+# the CLI tests' shared fixtures (cli_fakes, book)
+pytest_plugins = ["tests.cli_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:

@@ -12,17 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from s4r.bench.report import tables, to_json, write_json
-from s4r.bench.runner import (
-    DEFAULT_METHODS,
-    QUICK_METHODS,
-    QUICK_TASKS,
-    BenchConfig,
-    BenchHooks,
-    BenchRunner,
-    parse_lengths,
-    run_bench,
-)
+from s4r.bench.config import DEFAULT_METHODS, QUICK_METHODS, QUICK_TASKS, BenchConfig, parse_lengths
+from s4r.bench.records import BenchHooks
+from s4r.bench.report import to_json, write_json
+from s4r.bench.report_tables import tables
+from s4r.bench.runner import BenchRunner, run_bench
 from s4r.bench.speed import check_lengths_fit, param_count, plan_memory, teacher_force
 from s4r.budget import KVShape
 from s4r.errors import DeviceError
@@ -153,7 +147,7 @@ def test_json_document_is_complete_and_strict(tiny_run, tmp_path):
 
 def test_plot_writes_a_png(tiny_run, tmp_path):
     pytest.importorskip("matplotlib")
-    from s4r.bench.report import plot
+    from s4r.bench.report_plot import plot
 
     path = tmp_path / "bench.png"
     plot(to_json(tiny_run[0]), path)

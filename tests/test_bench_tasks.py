@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import re
 from collections import Counter
 
 import pytest
 
+from s4r import books
 from s4r.bench import scoring, tasks
 from s4r.bench.scoring import perplexity_text, score, string_match_all, string_match_part
 from s4r.bench.tasks import (
@@ -19,6 +21,8 @@ from s4r.bench.tasks import (
     make_samples,
     needle_sample,
 )
+from s4r.bench.tracking_tasks import FWE_INTRO, variable_tracking
+from s4r.errors import S4RError
 
 
 def count_regex(text: str) -> int:
@@ -145,8 +149,8 @@ def test_variable_tracking_answers(seed: int) -> None:
 
 
 def test_variable_tracking_with_distractor_chains() -> None:
-    rng = tasks.random.Random("vt-test")
-    sample = tasks._variable_tracking(2048, rng, count_regex, num_chains=3, num_hops=2)
+    rng = random.Random("vt-test")
+    sample = variable_tracking(2048, rng, count_regex, num_chains=3, num_hops=2)
     value = re.search(r"value (\d+)", sample.question).group(1)
     bound = resolve_variables(sample.context)
     assert len(bound) == 9 and len(set(bound.values())) == 3
@@ -157,7 +161,7 @@ def test_variable_tracking_with_distractor_chains() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_frequent_words_top3(seed: int, length: int) -> None:
     sample = make_sample("frequent_words", length, seed, count_regex)
-    words = sample.context[len(tasks.FWE_INTRO) :].split()
+    words = sample.context[len(FWE_INTRO) :].split()
     assert all(re.fullmatch(r"[a-z]{6}", w) for w in words)
     ranked = Counter(words).most_common()
     assert [w for w, _ in ranked[:3]] == sample.answers
@@ -212,13 +216,13 @@ def test_books_dir_from_env(tmp_path, monkeypatch) -> None:
     )
     (tmp_path / "tiny-test-book.txt").write_text("\ufeff" + text, encoding="utf-8")
     monkeypatch.setenv("S4R_BOOKS_DIR", str(tmp_path))
-    assert tasks.books_dir() == tmp_path
+    assert books.books_dir() == tmp_path
     try:
         assert load_book("tiny-test-book") == "Hello there.\n\nBye."
     finally:
         load_book.cache_clear()
         tasks.book_sentences.cache_clear()
-    with pytest.raises(tasks.S4RError):
+    with pytest.raises(S4RError):
         load_book("no-such-book")
 
 

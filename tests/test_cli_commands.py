@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -12,32 +11,10 @@ from pathlib import Path
 import pytest
 
 from s4r_cli.app import run
-from tests.test_cli_fakes import FAKE_LAUNCHER, REPO_ROOT, install_fakes
+from tests.cli_fixtures import DOC, JSON_KEYS, QUESTION, pipe_stdin
+from tests.test_cli_fakes import FAKE_LAUNCHER, REPO_ROOT
 
-QUESTION = "What is the secret passphrase?"
-DOC = "Long ago, in a harbour town, the secret passphrase is 'blue-harbor-42'. Nobody remembered it."
-
-JSON_KEYS = {"answer", "model", "method", "ratio_requested", "ratio_achieved", "kv_bytes", "kv_full_bytes",
-             "prompt_tokens", "generated_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_mem_bytes",
-             "ingest_s", "document_tokens", "device", "dtype"}
-
-
-@pytest.fixture(autouse=True)
-def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    install_fakes(monkeypatch)
-    monkeypatch.setenv("S4R_HOME", str(tmp_path / "home"))
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def book(tmp_path: Path) -> Path:
-    path = tmp_path / "book.txt"
-    path.write_text(DOC)
-    return path
-
-
-def pipe_stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+pytestmark = pytest.mark.usefixtures("cli_fakes")
 
 
 def test_ask_prints_only_the_answer(book: Path, capsys: pytest.CaptureFixture[str]) -> None:

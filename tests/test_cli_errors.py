@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_fixtures import QUESTION
 from tests.test_cli_fakes import FAKE_CONTEXT, FAKE_LAUNCHER, REPO_ROOT
-
-QUESTION = "What is the secret passphrase?"
 
 
 def run_cli(*args: str, cwd: Path, stdin: bytes | None = None, env: dict[str, str] | None = None,

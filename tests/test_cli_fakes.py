@@ -284,7 +284,6 @@ def fake_modules() -> dict[str, types.ModuleType]:
     loading.load_model = fake_load_model
     loading.resolve_device = fake_resolve_device
     loading.LoadedModel = FakeLoaded
-    loading.s4r_home = lambda: Path(os.environ.get("S4R_HOME") or "~/.cache/s4r").expanduser()
     session = types.ModuleType("s4r.session")
     session.Session = FakeSession
     session.METHODS = FAKE_METHODS

@@ -24,6 +24,7 @@ from s4r_cli import repl
 from s4r_cli.app import run
 from s4r_cli.repl import LineReader, PromptReader, run_repl
 from s4r_cli.ui import STATS_LINE_MAX, AnswerStream, stop_notice, turn_stats_line
+from tests.cli_fixtures import DOC, QUESTION, pipe_stdin
 from tests.test_cli_errors import assert_one_error, run_cli
 from tests.test_cli_fakes import (
     FAKE_CONTEXT,
@@ -32,35 +33,15 @@ from tests.test_cli_fakes import (
     REPO_ROOT,
     FakeMemoryReport,
     FakeTurnStats,
-    install_fakes,
 )
 from tests.test_cli_repl import CTRL_C, ENTER, Chat
 
-QUESTION = "What is the secret passphrase?"
-DOC = "Long ago, in a harbour town, the secret passphrase is 'blue-harbor-42'. Nobody remembered it."
-
-
-@pytest.fixture(autouse=True)
-def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    install_fakes(monkeypatch)
-    monkeypatch.setenv("S4R_HOME", str(tmp_path / "home"))
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def book(tmp_path: Path) -> Path:
-    path = tmp_path / "book.txt"
-    path.write_text(DOC)
-    return path
+pytestmark = pytest.mark.usefixtures("cli_fakes")
 
 
 @pytest.fixture
 def chat() -> Chat:
     return Chat()
-
-
-def pipe_stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
 
 
 # -- books ---------------------------------------------------------------------------------------------------

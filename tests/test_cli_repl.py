@@ -12,7 +12,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
-from s4r_cli.common import GenerationSettings
+from s4r_cli.generation_settings import GenerationSettings
 from s4r_cli.repl import ChatState, CommandHandler, LineReader, PromptReader, run_repl
 from s4r_cli.ui import UI
 from tests.test_cli_fakes import FakeLoaded, FakeSession, install_fakes

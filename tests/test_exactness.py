@@ -13,9 +13,8 @@ from s4r.config import S4RConfig
 from s4r.generation import forward_tokens, prefill
 from s4r.methods import CompressContext, S4RMethod
 from s4r.rope import model_rope_fn
-from tests.helpers import tiny_model
+from tests.helpers import ARCHS, tiny_model
 
-ARCHS = ["llama", "qwen2", "qwen3"]
 SPACES = ["post_rope", "pre_rope"]
 GRANULARITIES = ["head", "layer"]
 

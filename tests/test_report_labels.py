@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from s4r.bench.report import plot_styles, speedup_label
+from s4r.bench.report_plot import plot_styles
+from s4r.bench.report_tables import speedup_label
 
 
 def test_speedup_label_says_slower_below_one() -> None:

@@ -30,7 +30,7 @@ from s4r.generation import prefill
 from s4r.methods import CompressContext, make_method
 from s4r.rope import model_rope_fn
 
-from .runner import parse_lengths
+from .config import parse_lengths
 from .speed import teacher_force
 
 PLAIN = "transformers"
@@ -105,7 +105,7 @@ def make_forks(model, staged: S4RCache, combos: list[tuple[str, float]]) -> list
 
 def book_ids(tokenizer, tokens: int) -> list[int]:
     """`tokens` token ids of the default book, repeated past its end (timing needs no natural text)."""
-    from .tasks import load_book
+    from s4r.books import load_book
 
     ids = tokenizer.encode(load_book(), add_special_tokens=False)
     return (ids * (tokens // len(ids) + 1))[:tokens]

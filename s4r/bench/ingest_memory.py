@@ -24,7 +24,7 @@ from ..session import INGEST_MODES, Session
 
 def passage(tokenizer, tokens: int, book: str | None) -> str:
     """About `tokens` tokens of a book (repeated when it is shorter), as text."""
-    from .tasks import load_book  # lazy: only the probe needs a book
+    from s4r.books import load_book  # lazy: only the probe needs a book
 
     text = load_book(book) if book else load_book()
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -24,8 +24,8 @@ from s4r.budget import KVShape, solve_ranks
 from s4r.compress import compress_layer
 from s4r.config import S4RConfig
 
+from .config import parse_lengths
 from .decode_speed import book_ids, staged_cache
-from .runner import parse_lengths
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from s4r.bench.haystack import DEFAULT_BOOK, fit_to_tokens
 from s4r.bench.scoring import perplexity_text
-from s4r.bench.tasks import DEFAULT_BOOK, fit_to_tokens, load_book
+from s4r.books import load_book
 
 __all__ = ["NLLMeter", "context_and_continuation", "token_nll"]
 

@@ -1,4 +1,4 @@
-"""Benchmark results as JSON, as summary tables (plain data), and as a matplotlib figure.
+"""Benchmark results as JSON (tables: :mod:`s4r.bench.report_tables`; figure: :mod:`s4r.bench.report_plot`).
 
 The JSON document (`to_json`), schema ``s4r-bench/1``; ratios are the requested ones (``full`` is 1),
 lengths the nominal context lengths asked for, ``tokens`` the document tokens actually prefilled::
@@ -54,25 +54,19 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from s4r.bench.intervals import score_interval, stratified_interval
-from s4r.bench.runner import AccuracyRecord, BenchResult, ContextRecord
+from s4r.bench.records import AccuracyRecord, BenchResult, ContextRecord
+from s4r.units import MIB
 
-__all__ = ["SCHEMA", "Table", "machine_info", "plot", "tables", "to_json", "write_json"]
+__all__ = ["SCHEMA", "machine_info", "to_json", "write_json"]
 
 SCHEMA = "s4r-bench/1"
-MIB = 2**20
 
 
-class Table(NamedTuple):
-    """A table as plain strings: what the CLI renders (rich in a terminal, plain text otherwise)."""
-
-    title: str
-    columns: list[str]
-    rows: list[list[str]]
 
 
 # --- run information --------------------------------------------------------------------------------------
@@ -296,217 +290,3 @@ def write_json(doc: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-# --- tables -----------------------------------------------------------------------------------------------
-
-def _length_label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
-
-
-def _ratio_label(method: str, ratio: float) -> str:
-    return "-" if method == "full" else f"×{ratio:g}"
-
-
-def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{spec}}{suffix}"
-
-
-def speedup_label(times: float | None) -> str:
-    """How much faster a method is, given other_time / its_time: "faster by 2.3×", or "slower by 1.1×"
-    below 1 (never "faster by 0.9×")."""
-    if times is None or (isinstance(times, float) and (math.isnan(times) or times <= 0)):
-        return "-"
-    if times >= 1:
-        return f"faster by {times:.1f}×"
-    return f"slower by {1 / times:.1f}×"
-
-
-def _order(doc: dict[str, Any], rows: Iterable[dict[str, Any]]) -> list[tuple[str, float]]:
-    """(method, ratio) pairs present in `rows`, in the order of the run's methods, then by ratio."""
-    rank = {m: i for i, m in enumerate(doc.get("methods", []))}
-    pairs = {(r["method"], r["ratio"]) for r in rows}
-    return sorted(pairs, key=lambda p: (rank.get(p[0], len(rank)), p[1]))
-
-
-def _ci(row: dict[str, Any] | None, digits: str = ".0f") -> str:
-    """'score [low-high]' of a row with an interval (the bare score when it has none)."""
-    if row is None or row.get("score") is None:
-        return "-"
-    if row.get("ci_low") is None or row.get("ci_high") is None:
-        return f"{row['score']:{digits}}"
-    return f"{row['score']:{digits}} [{row['ci_low']:.0f}-{row['ci_high']:.0f}]"
-
-
-def _samples_note(rows: Sequence[dict[str, Any]]) -> str:
-    counts = sorted({r["samples"] for r in rows})
-    return f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}-{counts[-1]}"
-
-
-def _accuracy_tables(doc: dict[str, Any]) -> list[Table]:
-    """Accuracy by task (one column per task and length) and the mean by length, every figure with its
-    95% interval, plus each method's mean compression seconds (kvzip's extra forward shows there)."""
-    acc = doc["accuracy"]
-    cells = {(s["method"], s["ratio"], s["task"], s["length"]): s for s in acc["scores"]}
-    columns = list(dict.fromkeys((s["task"], s["length"]) for s in acc["scores"]))
-    many_lengths = len({n for _, n in columns}) > 1
-    overall = {(s["method"], s["ratio"]): s for s in acc["overall"]}
-    rows = []
-    for method, ratio in _order(doc, acc["scores"]):
-        vals = [_ci(cells.get((method, ratio, t, n))) for t, n in columns]
-        o = overall.get((method, ratio))
-        rows.append([method, _ratio_label(method, ratio), *vals, _ci(o, ".1f"),
-                     _fmt(o["compress_seconds"] if o else None, ".2f")])
-    heads = [f"{t} {_length_label(n)}" if many_lengths else t for t, n in columns]
-    out = [Table(f"Accuracy by task (score 0-100 [95% interval], {_samples_note(acc['scores'])} per cell)",
-                 ["method", "ratio", *heads, "mean", "compress s"], rows)]
-    lengths = sorted({s["length"] for s in acc["summary"]})
-    by_len = {(s["method"], s["ratio"], s["length"]): s for s in acc["summary"]}
-    rows = []
-    for method, ratio in _order(doc, acc["summary"]):
-        o = overall.get((method, ratio)) or {}
-        rows.append([method, _ratio_label(method, ratio),
-                     *[_ci(by_len.get((method, ratio, n)), ".1f") for n in lengths],
-                     _ci(o or None, ".1f"), str(o.get("samples", "-"))])
-    out.append(Table("Accuracy by context length (mean over tasks [95% interval])",
-                     ["method", "ratio", *[_length_label(n) for n in lengths], "mean", "samples"], rows))
-    return out
-
-
-def tables(doc: dict[str, Any]) -> list[Table]:
-    """Summary tables of a JSON document: accuracy by task and by length, then one table per context
-    length (memory, ingest, decode speed, perplexity), compression time of s4r against svd, and issues.
-
-    In a context table `ingest` is (prefill + compression) / prefill, `tok/s` the decode speed and
-    `vs full` its ratio to full's, measured in the same interleaved loop; the decode and NLL columns
-    appear when that length measured them."""
-    out: list[Table] = []
-    acc = doc["accuracy"]
-    if acc["scores"]:
-        out += _accuracy_tables(doc)
-
-    speed = {(s["length"], s["method"], s["ratio"]): s for s in doc["speed"]}
-    ppl = {(p["length"], p["method"], p["ratio"]): p for p in doc["perplexity"]}
-    kv = {(k["length"], k["method"], k["ratio"]): k for k in doc["memory"]["kv"]}
-    for length in sorted({s["length"] for s in doc["speed"]}):
-        keys = [k for k in speed if k[0] == length]
-        tokens = speed[keys[0]]["tokens"]
-        columns = ["method", "ratio", "KV MiB", "achieved", "compress s", "ingest"]
-        has_speed = any(speed[k]["decode_tok_s"] for k in keys)
-        has_ppl = any(k in ppl for k in keys)
-        columns += ["tok/s", "vs full"] if has_speed else []
-        columns += ["NLL", "ΔNLL"] if has_ppl else []
-        rows = []
-        for method, ratio in _order(doc, [speed[k] for k in keys]):
-            key = (length, method, ratio)
-            s, p, m = speed[key], ppl.get(key), kv.get(key)
-            row = [method, _ratio_label(method, ratio), _fmt(m["stored_mib"] if m else None, ".1f"),
-                   _fmt(m["achieved_ratio"] if m else None, ".2f", "×"), _fmt(s["compress_seconds"], ".2f"),
-                   _fmt(s["ingest_vs_prefill"], ".2f", "×")]
-            if has_speed:
-                row += [_fmt(s["decode_tok_s"], ".1f"), _fmt(s["decode_vs_full"], ".2f", "×")]
-            if has_ppl:
-                row += [_fmt(p["nll"] if p else None, ".3f"), _fmt(p["nll_gap"] if p else None, "+.3f")]
-            rows.append(row)
-        prefill = speed[keys[0]]["prefill_seconds"]
-        title = f"Context {_length_label(length)} ({tokens:,} tokens, prefill {_fmt(prefill, '.1f')} s)"
-        out.append(Table(title, columns, rows))
-    if doc["compression"]:
-        rows = [[_length_label(c["length"]), f"×{c['ratio']:g}", _fmt(c["s4r_seconds"], ".3f"),
-                 _fmt(c["svd_seconds"], ".3f"), speedup_label(c["svd_over_s4r"])]
-                for c in doc["compression"]]
-        out.append(Table("Compression step: s4r against full-SVD", ["length", "ratio", "s4r s", "svd s",
-                                                                   "s4r against svd"], rows))
-    if doc["issues"]:
-        rows = [[i["kind"], i["phase"], i["method"], "-" if i["ratio"] is None else f"×{i['ratio']:g}",
-                 "-" if i["length"] is None else _length_label(i["length"]), str(i["count"]), i["message"]]
-                for i in doc["issues"]]
-        out.append(Table("Skipped and failed runs", ["kind", "phase", "method", "ratio", "length", "times",
-                                                     "reason"], rows))
-    return out
-
-
-# --- plot -------------------------------------------------------------------------------------------------
-
-_MARKERS = "os^vDP*Xph<>"
-# the methods this project is about go on top; baselines with near-identical points hid the s4r line
-_ON_TOP = ("s4r", "s4r-paper")
-
-
-def plot_styles(methods: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """matplotlib keyword arguments per method: a marker each, and s4r drawn last, thicker, on top."""
-    styles: dict[str, dict[str, Any]] = {}
-    for i, method in enumerate(methods):
-        top = method in _ON_TOP
-        zorder = 10 - _ON_TOP.index(method) if top else 2
-        styles[method] = {"marker": _MARKERS[i % len(_MARKERS)], "markersize": 7 if top else 5,
-                          "linewidth": 2.4 if top else 1.2, "zorder": zorder, "alpha": 1.0 if top else 0.8}
-    return styles
-
-def plot(doc: dict[str, Any], path: str | Path) -> None:
-    """Save a figure: accuracy against ratio per method, and decode tokens/s against context length.
-
-    Needs matplotlib (the `plot` extra); panels without data are left out.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed (CI, ssh)
-    import matplotlib.pyplot as plt
-
-    methods = list(doc.get("methods", []))
-    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    colors["full"] = "black"
-    styles = plot_styles(methods)
-    panels = [p for p, has in (("accuracy", bool(doc["accuracy"]["overall"])),
-                               ("speed", any(s["decode_tok_s"] for s in doc["speed"]))) if has]
-    if not panels:
-        raise ValueError("nothing to plot: the run measured neither accuracy nor decode speed")
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
-        if panel == "accuracy":
-            overall = doc["accuracy"]["overall"]
-            for method in methods:
-                pts = sorted((s["ratio"], s["score"]) for s in overall if s["method"] == method
-                             and s["score"] is not None)
-                if not pts:
-                    continue
-                if method == "full":
-                    ax.axhline(pts[0][1], color=colors[method], linestyle="--", label="full (uncompressed)")
-                else:
-                    ax.plot(*zip(*pts, strict=True), color=colors[method], label=method, **styles[method])
-            ratios = sorted({s["ratio"] for s in overall if s["method"] != "full"})
-            if ratios:
-                ax.set_xticks(ratios, [f"×{r:g}" for r in ratios])
-            ax.set_ylim(-2, 102)
-            ax.set_xlabel("compression ratio")
-            ax.set_ylabel("accuracy (mean score over tasks and lengths)")
-            ax.set_title("Accuracy against compression")
-        else:
-            dashes = ["-", "--", ":", "-."]
-            ratios = sorted({s["ratio"] for s in doc["speed"] if s["method"] != "full"})
-            for method in methods:
-                for ratio in ([1.0] if method == "full" else ratios):
-                    pts = sorted((s["length"], s["decode_tok_s"]) for s in doc["speed"]
-                                 if s["method"] == method and s["ratio"] == ratio and s["decode_tok_s"])
-                    if not pts:
-                        continue
-                    style = "-" if method == "full" else dashes[ratios.index(ratio) % len(dashes)]
-                    label = "full" if method == "full" else f"{method} ×{ratio:g}"
-                    ax.plot(*zip(*pts, strict=True), linestyle=style, color=colors[method], label=label,
-                            **styles[method])
-            lengths = sorted({s["length"] for s in doc["speed"]})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(lengths, [_length_label(n) for n in lengths])
-            ax.minorticks_off()
-            ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("decode tokens/s")
-            ax.set_title("Decode speed against context length")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    run = doc.get("run", {})
-    fig.suptitle(f"s4r bench · {run.get('model')} · {run.get('device')} {run.get('dtype')}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

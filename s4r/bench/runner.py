@@ -22,24 +22,27 @@ context (perplexity, speed, memory)
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from s4r.bench.config import FULL_RATIO, LENGTH_MARGIN, BenchConfig
 from s4r.bench.perplexity import NLLMeter, context_and_continuation, token_nll
-from s4r.bench.scoring import score
-from s4r.bench.speed import (
-    DecodeTiming,
-    check_lengths_fit,
-    model_bytes,
-    synchronize,
-    teacher_force,
+from s4r.bench.records import (
+    AccuracyRecord,
+    BenchHooks,
+    BenchResult,
+    ContextRecord,
+    Issue,
+    LengthInfo,
+    length_label,
 )
-from s4r.bench.tasks import DEFAULT_BOOK, TASKS, answer_budget, make_samples
+from s4r.bench.scoring import score
+from s4r.bench.speed import check_lengths_fit, model_bytes, synchronize, teacher_force
+from s4r.bench.tasks import answer_budget, make_samples
 from s4r.budget import KVShape
 from s4r.chat_format import chat_segments
 from s4r.errors import BudgetError, S4RError
@@ -47,232 +50,7 @@ from s4r.memory import peak_memory_bytes
 from s4r.methods import make_method
 from s4r.session import ANSWER_HEADROOM, Session
 
-__all__ = [
-    "DEFAULT_LENGTHS",
-    "DEFAULT_METHODS",
-    "DEFAULT_RATIOS",
-    "QUICK_METHODS",
-    "AccuracyRecord",
-    "BenchConfig",
-    "BenchHooks",
-    "BenchResult",
-    "BenchRunner",
-    "ContextRecord",
-    "Issue",
-    "LengthInfo",
-    "run_bench",
-]
-
-DEFAULT_METHODS: tuple[str, ...] = ("full", "s4r", "s4r-paper", "streaming", "snapkv", "svd", "offline",
-                                    "quant", "kvzip")
-# the CI smoke test leaves kvzip out: its scoring re-reads every context (about one more prefill each)
-QUICK_METHODS: tuple[str, ...] = tuple(m for m in DEFAULT_METHODS if m != "kvzip")
-DEFAULT_RATIOS: tuple[float, ...] = (2.5, 5.0)
-DEFAULT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192)
-# perplexity needs a context long enough for compression to matter; shorter lengths are speed-only
-PERPLEXITY_MIN_LENGTH = 4096
-RANDOM_WEIGHTS_LENGTHS: tuple[int, ...] = (32768, 65536, 131072)
-QUICK_TASKS: tuple[str, ...] = ("niah_single_noise", "niah_multikey", "variable_tracking")
-# tokens kept free besides ANSWER_HEADROOM for the chat template's opening (system prompt) and rounding
-LENGTH_MARGIN = 16
-FULL_RATIO = 1.0
-
-
-@dataclass
-class BenchConfig:
-    """What to run. `lengths` are context lengths in tokens for accuracy and speed.
-
-    `perplexity_lengths` None means the `lengths` of at least PERPLEXITY_MIN_LENGTH tokens (or the
-    longest one when all are shorter). `overrides` maps a method name to its `config_overrides`.
-    `full` is always run: it is the reference of every comparison.
-    """
-
-    methods: tuple[str, ...] = DEFAULT_METHODS
-    ratios: tuple[float, ...] = DEFAULT_RATIOS
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    perplexity_lengths: tuple[int, ...] | None = None
-    tasks: tuple[str, ...] = tuple(TASKS)
-    samples: int = 5
-    seed: int = 0
-    # the cap of an answer; each sample gets only what its reference answer needs (answer_budget)
-    max_new_tokens: int = 32
-    # the book the book-haystack tasks draw from: tune on TUNING_BOOK, report on HELDOUT_BOOK
-    book: str = DEFAULT_BOOK
-    continuation_tokens: int = 256
-    decode_steps: int = 64
-    warmup_steps: int = 4
-    accuracy: bool = True
-    perplexity: bool = True
-    speed: bool = True
-    chunk_size: int = 512
-    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
-    quick: bool = False
-    # ratios of one method instead of `ratios` (`--methods s4r@2.5,s4r@5,kvzip@5`): the costly methods
-    # run only where they matter
-    method_ratios: dict[str, tuple[float, ...]] = field(default_factory=dict)
-
-    @classmethod
-    def quick_preset(cls, **changes: Any) -> BenchConfig:
-        """The CI smoke test: 2k tokens, one sample of three tasks, a short continuation; every method but
-        kvzip (QUICK_METHODS)."""
-        base = cls(methods=QUICK_METHODS, lengths=(2048,), perplexity_lengths=(2048,), tasks=QUICK_TASKS,
-                   samples=1, max_new_tokens=16, continuation_tokens=48, decode_steps=32, warmup_steps=2,
-                   quick=True)
-        return replace(base, **changes)
-
-    def validate(self) -> None:
-        """Raise ValueError for settings no run can satisfy."""
-        if not self.ratios or any(not (math.isfinite(r) and r >= 1.0) for r in self.ratios):
-            raise ValueError("ratios must be finite and at least 1")
-        if not self.lengths or any(n < 64 for n in self.lengths):
-            raise ValueError("context lengths must be at least 64 tokens")
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        if unknown:
-            raise ValueError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
-        if self.samples < 1 or self.max_new_tokens < 1 or self.decode_steps < 1 or self.warmup_steps < 0:
-            raise ValueError("samples, max_new_tokens and decode_steps must be positive, warmup_steps >= 0")
-        if self.continuation_tokens < 2:
-            raise ValueError("the perplexity continuation needs at least 2 tokens")
-        if not (self.accuracy or self.perplexity or self.speed):
-            raise ValueError("nothing to run: accuracy, perplexity and speed are all off")
-
-    def ppl_lengths(self) -> tuple[int, ...]:
-        """Context lengths of the perplexity measurement (empty when perplexity is off)."""
-        if not self.perplexity:
-            return ()
-        if self.perplexity_lengths is not None:
-            return tuple(sorted(set(self.perplexity_lengths)))
-        long = tuple(n for n in sorted(set(self.lengths)) if n >= PERPLEXITY_MIN_LENGTH)
-        return long or (max(self.lengths),)
-
-    def context_lengths(self) -> tuple[int, ...]:
-        """Lengths of the context phase: speed lengths and perplexity lengths together."""
-        speed = tuple(self.lengths) if self.speed else ()
-        return tuple(sorted(set(speed) | set(self.ppl_lengths())))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"methods": list(self.methods), "ratios": list(self.ratios), "lengths": list(self.lengths),
-                "perplexity_lengths": list(self.ppl_lengths()), "tasks": list(self.tasks),
-                "samples": self.samples, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
-                "book": self.book,
-                "continuation_tokens": self.continuation_tokens, "decode_steps": self.decode_steps,
-                "warmup_steps": self.warmup_steps, "accuracy": self.accuracy, "perplexity": self.perplexity,
-                "speed": self.speed, "chunk_size": self.chunk_size, "overrides": self.overrides,
-                "quick": self.quick, "method_ratios": {m: list(r) for m, r in self.method_ratios.items()}}
-
-
-class BenchHooks:
-    """Where a run reports progress. The default does nothing; the CLI draws bars from it.
-
-    A phase announces its number of units; each `advance` completes some of them.
-    """
-
-    def phase(self, name: str, total: int) -> None:
-        """A new phase (`accuracy`, `context`, `setup`) with `total` units of work."""
-
-    def advance(self, detail: str = "", units: int = 1) -> None:
-        """`units` more units done; `detail` says what is running now."""
-
-    def note(self, message: str) -> None:
-        """A milestone worth a line in a log (a finished sample, a finished length)."""
-
-    def warn(self, message: str) -> None:
-        """Something was skipped or failed; the run goes on."""
-
-
-@dataclass
-class Issue:
-    """A run that was skipped (ratio not reachable) or failed (an error), counted per key."""
-
-    kind: str  # "skipped" | "error"
-    phase: str
-    method: str
-    ratio: float | None
-    length: int | None
-    message: str
-    count: int = 1
-
-
-@dataclass
-class AccuracyRecord:
-    """One (sample, method, ratio) answer and its score in [0, 100]."""
-
-    task: str
-    length: int  # nominal context length asked for
-    tokens: int  # document tokens actually prefilled
-    sample: int
-    depth: float | None
-    method: str
-    ratio: float
-    score: float
-    answer: str
-    achieved_ratio: float
-    stored_bytes: int
-    full_bytes: int
-    compress_seconds: float
-    max_new_tokens: int | None = None
-
-
-@dataclass
-class ContextRecord:
-    """One (length, method, ratio) fork of the context phase: memory, timing and perplexity."""
-
-    length: int
-    tokens: int
-    method: str
-    ratio: float
-    prefill_seconds: float
-    compress_seconds: float
-    stored_bytes: int
-    full_bytes: int
-    achieved_ratio: float
-    nll: float | None = None
-    scored_tokens: int = 0
-    decode: DecodeTiming | None = None
-    compress_peak_bytes: int | None = None  # extra CUDA memory while compressing (GPU only)
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class LengthInfo:
-    """What one context length of the context phase used."""
-
-    length: int
-    tokens: int
-    natural_text: bool  # consecutive book text (False: the book repeated, timing only)
-    prefill_seconds: float
-    continuation_tokens: int
-    perplexity: bool
-    speed: bool
-    peak_rss_bytes: int
-    cuda_peak_bytes: int | None
-
-
-@dataclass
-class BenchResult:
-    """Everything a run measured, as plain records (see s4r.bench.report for the JSON)."""
-
-    config: BenchConfig
-    model: dict[str, Any]
-    methods: list[str] = field(default_factory=list)
-    accuracy: list[AccuracyRecord] = field(default_factory=list)
-    contexts: list[ContextRecord] = field(default_factory=list)
-    lengths: list[LengthInfo] = field(default_factory=list)
-    calibrations: list[dict[str, Any]] = field(default_factory=list)
-    issues: list[Issue] = field(default_factory=list)
-    started: float = 0.0
-    wall_seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    cuda_peak_bytes: int | None = None
-    interrupted: bool = False
-
-    def errors(self) -> list[Issue]:
-        """The failures (not the skips of unreachable ratios)."""
-        return [i for i in self.issues if i.kind == "error"]
-
-
-def _label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+__all__ = ["BenchRunner", "run_bench"]
 
 
 def _combo_label(method: str, ratio: float) -> str:
@@ -317,7 +95,7 @@ class BenchRunner:
         issue = Issue(kind, phase, method, ratio, length, message)
         self._issue_index[key] = issue
         self.result.issues.append(issue)
-        where = f"{_combo_label(method, ratio or FULL_RATIO)}" + (f" at {_label(length)}" if length else "")
+        where = _combo_label(method, ratio or FULL_RATIO) + (f" at {length_label(length)}" if length else "")
         self.hooks.warn(f"{phase}: {where} {'skipped' if kind == 'skipped' else 'failed'}: {message}")
 
     def _attempt(self, phase: str, method: str, ratio: float, length: int | None,
@@ -346,7 +124,8 @@ class BenchRunner:
         if length not in self._clamped:
             self._clamped.add(length)
             self.hooks.warn(f"{length:,} tokens do not fit the model's {self.loaded.context_length:,}-token "
-                            f"context with room for the question; using {limit:,} for '{_label(length)}'")
+                            f"context with room for the question; using {limit:,} for "
+                            f"'{length_label(length)}'")
         return limit
 
     def _overrides(self, method: str) -> dict[str, Any] | None:
@@ -435,7 +214,7 @@ class BenchRunner:
             for task in cfg.tasks:
                 samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
                 for k, sample in enumerate(samples):
-                    where = f"{task} {_label(length)} #{k + 1}"
+                    where = f"{task} {length_label(length)} #{k + 1}"
                     self.hooks.advance(f"{where}: prefill", units=0)
                     staged = self._attempt("accuracy", "full", FULL_RATIO, length,
                                            lambda s=sample: self._staged(s.context)[0])
@@ -494,14 +273,14 @@ class BenchRunner:
         # one more token than scored: the first continuation token is only read, never predicted
         context, continuation, natural = context_and_continuation(tokens, feed + 1, self.count_tokens)
         if ppl and not natural:
-            self.hooks.warn(f"the book is too short for a natural {_label(length)} perplexity text; the "
-                            "repeated book is used (perplexity there is not meaningful)")
+            self.hooks.warn(f"the book is too short for a natural {length_label(length)} perplexity text; "
+                            "the repeated book is used (perplexity there is not meaningful)")
         ids = self.loaded.tokenizer.encode(continuation, add_special_tokens=False)[: feed + 1]
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.hooks.advance(f"{_label(length)}: prefill", units=0)
+        self.hooks.advance(f"{length_label(length)}: prefill", units=0)
         staged_or_none = self._attempt("context", "full", FULL_RATIO, length, lambda: self._staged(context))
-        self.hooks.advance(f"{_label(length)}: prefill")
+        self.hooks.advance(f"{length_label(length)}: prefill")
         if staged_or_none is None:
             self.hooks.advance(units=len(combos) + feed + 1)
             return
@@ -510,7 +289,7 @@ class BenchRunner:
         records: list[ContextRecord] = []
         # compressed forks first and the full copy last, so the staged cache can go right after
         for method, ratio in [c for c in combos if c[0] != "full"] + [("full", FULL_RATIO)]:
-            self.hooks.advance(f"{_label(length)}: compress {_combo_label(method, ratio)}", units=0)
+            self.hooks.advance(f"{length_label(length)}: compress {_combo_label(method, ratio)}", units=0)
             before = torch.cuda.memory_allocated(self.device) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -518,7 +297,7 @@ class BenchRunner:
             fork = self._attempt("context", method, ratio, length,
                                  lambda m=method, r=ratio, st=staged: self._fork(st, m, r))
             synchronize(self.device)
-            self.hooks.advance(f"{_label(length)}: compress {_combo_label(method, ratio)}")
+            self.hooks.advance(f"{length_label(length)}: compress {_combo_label(method, ratio)}")
             if fork is None:
                 continue
             mem = fork.memory()
@@ -542,7 +321,7 @@ class BenchRunner:
                 meters[j].add(token_nll(logits, ids[i + 1]))
 
         def on_step(i: int) -> None:
-            self.hooks.advance(f"{_label(length)}: decode {i + 1}/{len(ids)}")
+            self.hooks.advance(f"{length_label(length)}: decode {i + 1}/{len(ids)}")
 
         timings = teacher_force(sessions, ids, warmup=self.config.warmup_steps, on_logits=on_logits,
                                 on_step=on_step, failed=failed)
@@ -560,7 +339,7 @@ class BenchRunner:
         rss = peak_memory_bytes(torch.device("cpu"))
         self.result.lengths.append(LengthInfo(length, doc_tokens, natural, prefill_s, len(ids), ppl, speed,
                                               rss, cuda_peak))
-        self.hooks.note(f"context {_label(length)}: prefill {prefill_s:.1f} s, {len(sessions)} forks, "
+        self.hooks.note(f"context {length_label(length)}: prefill {prefill_s:.1f} s, {len(sessions)} forks, "
                         f"{len(ids)} tokens decoded")
 
     # --- everything -------------------------------------------------------------------------------
@@ -615,22 +394,3 @@ def run_bench(loaded: Any, config: BenchConfig | None = None, hooks: BenchHooks 
               random_weights: bool = False) -> BenchResult:
     """Run a benchmark of `loaded` (see BenchRunner) and return what it measured."""
     return BenchRunner(loaded, config or BenchConfig(), hooks, random_weights=random_weights).run()
-
-
-def parse_lengths(values: Sequence[str]) -> tuple[int, ...]:
-    """'2k', '4K', '8192', '128k' -> token counts (k = 1024)."""
-    out = []
-    for raw in values:
-        text = raw.strip().lower()
-        if not text:
-            continue
-        mult = 1024 if text.endswith("k") else 1
-        number = text[:-1] if text.endswith("k") else text
-        try:
-            value = float(number) * mult
-        except ValueError:
-            raise ValueError(f"'{raw}' is not a length (use tokens like 8192 or 8k)") from None
-        if not value.is_integer() or value < 1:
-            raise ValueError(f"'{raw}' is not a whole number of tokens")
-        out.append(int(value))
-    return tuple(out)

@@ -7,7 +7,9 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 
-from s4r.bench.tasks import DEFAULT_BOOK, Sample, book_sentences, fit_to_tokens, load_book
+from s4r.bench.haystack import DEFAULT_BOOK, book_sentences, fit_to_tokens
+from s4r.bench.sample import Sample
+from s4r.books import load_book
 
 __all__ = ["string_match_all", "string_match_part", "score", "perplexity_text"]
 

@@ -22,6 +22,7 @@ import torch
 from s4r.budget import KVShape
 from s4r.errors import DeviceError
 from s4r.generation import forward_tokens
+from s4r.units import gib
 
 __all__ = [
     "DecodeTiming",
@@ -185,10 +186,6 @@ def plan_memory(shape: KVShape, tokens: int, ratios: Sequence[float], *, device:
     return MemoryPlan(tokens, weights, kv, mlp + layer_fp32)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def check_lengths_fit(shape: KVShape, lengths: Sequence[int], ratios: Sequence[float], *,
                       device: torch.device, chunk_size: int = 512, weights: int = 0,
                       free: int | None = None) -> None:
@@ -206,12 +203,12 @@ def check_lengths_fit(shape: KVShape, lengths: Sequence[int], ratios: Sequence[f
         return
     worst = max(too_big, key=lambda p: p.total)
     names = ", ".join(f"{p.tokens:,}" for p in too_big)
-    parts = f"KV caches {_gib(worst.kv)}, activations {_gib(worst.activations)}"
+    parts = f"KV caches {gib(worst.kv)}, activations {gib(worst.activations)}"
     if worst.weights:
-        parts = f"weights {_gib(worst.weights)}, " + parts
+        parts = f"weights {gib(worst.weights)}, " + parts
     hint = "pass shorter --lengths, fewer --methods/--ratios"
     if device.type != "cuda":
         hint += ", or run on a GPU (--device cuda)"
     raise DeviceError(
         f"context length(s) {names} cannot fit in memory on {device}: {worst.tokens:,} tokens need about "
-        f"{_gib(worst.total)} ({parts}) but only {_gib(free)} is available; {hint}")
+        f"{gib(worst.total)} ({parts}) but only {gib(free)} is available; {hint}")

@@ -32,7 +32,7 @@ CALIBRATION_TOKENS = 2048
 
 def default_calibration_text() -> str:
     """The calibration text used when none is given: Romeo and Juliet, shipped in the package."""
-    from ..bench.tasks import load_book  # lazy: only the default text needs the books
+    from ..books import load_book  # lazy: only the default text needs the books
 
     return load_book(CALIBRATION_BOOK)
 
