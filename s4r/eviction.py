@@ -13,10 +13,10 @@ from .attention import causal_attention, handoff
 from .budget import KVShape, eviction_budget_tokens
 from .cache import staged_tensors
 from .errors import BudgetError
-from .layers import FullLayer, S4RLayerBase, tensor_bytes
+from .layers import CacheLayer, StagingLayer, tensor_bytes
 
 # Appended tokens grow the storage in fixed steps: amortized appends without the doubling slack a
-# FullLayer allows itself (which would show up in a memory benchmark as a bigger cache).
+# StagingLayer allows itself (which would show up in a memory benchmark as a bigger cache).
 GROW_TOKENS = 128
 
 
@@ -37,7 +37,7 @@ def eviction_budget(shape: KVShape, tokens: int, ratio: float, reserve: int) -> 
     return min(kept, tokens)
 
 
-class EvictedLayer(S4RLayerBase):
+class EvictedLayer(CacheLayer):
     """The kept prompt tokens of one layer, per KV head, followed by every token appended since.
 
     Storage is one [H, n, d] tensor per keys and values: first the `kept` prompt tokens (the same count
@@ -61,7 +61,7 @@ class EvictedLayer(S4RLayerBase):
         self.logical = logical
 
     @classmethod
-    def from_staged(cls, layer: FullLayer, idx: torch.Tensor) -> EvictedLayer:
+    def from_staged(cls, layer: StagingLayer, idx: torch.Tensor) -> EvictedLayer:
         """Keep the prompt tokens `idx` of a staging layer: [K] for every head, or [H, K] per head."""
         keys, values, _ = staged_tensors(layer)
         idx = idx.to(keys.device)
@@ -94,7 +94,7 @@ class EvictedLayer(S4RLayerBase):
         return self._n
 
     def nbytes(self) -> int:
-        """Bytes of the stored tokens (growth slack beyond them is allocator headroom, as in FullLayer)."""
+        """Bytes of the stored tokens (growth slack beyond them is allocator headroom, as in StagingLayer)."""
         return tensor_bytes(self.keys_view, self.values_view)
 
     # --- cache protocol ---------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class EvictedLayer(S4RLayerBase):
         self._n = n + q
         self.logical += q
         keys = self.keys_view.unsqueeze(0)
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.values_view.unsqueeze(0)
 
     def attend(self, query, key, value, scaling):

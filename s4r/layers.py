@@ -17,7 +17,7 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class S4RLayerBase(CacheLayerMixin):
+class CacheLayer(CacheLayerMixin):
     """What every s4r cache layer shares: lengths, bytes, and the attention hand-off."""
 
     is_sliding = False
@@ -63,18 +63,21 @@ class S4RLayerBase(CacheLayerMixin):
         self.truncate(self.logical + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove)
 
 
-class FullLayer(S4RLayerBase):
-    """Uncompressed keys/values (post-RoPE), grown in amortized steps instead of a copy per token.
+class FullLayer(CacheLayer):
+    """Uncompressed keys/values (post-RoPE), grown in amortized steps instead of a copy per token: the
+    `full` method's layer, and the base of the prefill's `StagingLayer`."""
 
-    While `query_window` > 0 it also keeps the last queries, which S4R and SnapKV need at compression.
-    """
-
-    def __init__(self, query_window: int = 0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
-        self.query_window = query_window
-        self.queries: torch.Tensor | None = None
+
+    @classmethod
+    def from_staged(cls, layer: FullLayer) -> FullLayer:
+        """The same keys and values as `layer` (its storage, not a copy), without its recorded queries."""
+        full = cls()
+        full._k, full._v, full.logical = layer._k, layer._v, layer.logical
+        return full
 
     @property
     def keys_view(self) -> torch.Tensor:
@@ -99,13 +102,10 @@ class FullLayer(S4RLayerBase):
         self._v[:, :, n : n + q] = value_states
         self.logical = n + q
         keys = self.keys_view
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.values_view
 
     def attend(self, query, key, value, scaling):
-        if self.query_window:
-            recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
-            self.queries = recent[:, :, -self.query_window :].clone()
         return causal_attention(query, key, value, scaling)
 
     def stored_length(self) -> int:
@@ -119,6 +119,31 @@ class FullLayer(S4RLayerBase):
 
     def truncate(self, logical: int) -> None:
         self.logical = max(0, min(self.logical, logical))
+
+
+class StagingLayer(FullLayer):
+    """The prefill's uncompressed layer, which a method then compresses.
+
+    While `query_window` > 0 it also keeps the last queries, which S4R and SnapKV need at compression.
+    """
+
+    def __init__(self, query_window: int = 0) -> None:
+        super().__init__()
+        self.query_window = query_window
+        self.queries: torch.Tensor | None = None
+
+    def attend(self, query, key, value, scaling):
+        if self.query_window:
+            recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
+            self.queries = recent[:, :, -self.query_window :].clone()
+        return causal_attention(query, key, value, scaling)
+
+    def truncate(self, logical: int) -> None:
+        if self.queries is not None and logical < self.logical:
+            # the recorded queries are those of the last tokens: drop the forgotten tokens' ones
+            keep = self.queries.shape[2] - (self.logical - max(0, logical))
+            self.queries = self.queries[:, :, :keep].clone() if keep > 0 else None
+        super().truncate(logical)
 
 
 def to_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -138,4 +163,5 @@ def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
 # the S4R layer lives in its own module; imported last because it builds on the classes above
 from .lowrank import LowRankLayer  # noqa: E402
 
-__all__ = ["FullLayer", "LowRankLayer", "S4RLayerBase", "head_blocks", "tensor_bytes", "to_groups"]
+__all__ = ["CacheLayer", "FullLayer", "LowRankLayer", "StagingLayer", "head_blocks", "tensor_bytes",
+           "to_groups"]

@@ -92,7 +92,7 @@ def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: in
                      compress: Callable[[], None] | None,
                      progress: Callable[[int, int], None] | None = None,
                      after_layer: Callable[[], None] | None = None) -> torch.Tensor:
-    """Layer-wise prefill of `ids` into an `S4RCache`, keeping at most one layer's full K/V.
+    """Layer-wise prefill of `ids` into an `CompressedCache`, keeping at most one layer's full K/V.
 
     With `compress` (a fresh cache), it runs once layer 0 holds the whole text: the method plans from
     the token count and calls `cache.compress(build)` as usual, which builds layer 0 and keeps `build`
@@ -110,8 +110,8 @@ def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: in
             compress()
         elif fresh:
             cache.release_layer(i)
-        elif hasattr(cache.layers[i], "compact"):
-            cache.layers[i].compact()
+        elif hasattr(cache.layers[i], "fold_buffer"):
+            cache.layers[i].fold_buffer()
         if after_layer is not None:
             after_layer()
         # the next layer's storage only once this one is compressed and freed

@@ -23,7 +23,7 @@ import torch
 from .attention import causal_mask, handoff
 from .config import S4RConfig
 from .latent import gather_value_rows, gathered_logits, latent_logits, merged_attention
-from .layers import S4RLayerBase, head_blocks, tensor_bytes, to_groups
+from .layers import CacheLayer, head_blocks, tensor_bytes, to_groups
 from .rope import RopeFn, apply_rope, undo_rope
 from .selection import decay_factor, latent_scores, pool_scores, select_tokens, update_relevance
 from .subspace import project, quantize_int8
@@ -52,7 +52,7 @@ def _cloned(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
 
-class LowRankLayer(S4RLayerBase):
+class LowRankLayer(CacheLayer):
     """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
     the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
 
@@ -238,10 +238,10 @@ class LowRankLayer(S4RLayerBase):
         self._n_buf += q
         self.logical += q
         keys = self._ek[:, : end + q].unsqueeze(0)
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self._ev[:, : end + q].unsqueeze(0)
 
-    def compact(self) -> None:
+    def fold_buffer(self) -> None:
         """Fold the buffer down to its cap (after a long appended document)."""
         excess = self._n_buf - self.cfg.buffer_tokens
         if excess > 0:

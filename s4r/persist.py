@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .cache import S4RCache
+from .cache import CompressedCache
 from .config import S4RConfig
 from .errors import CacheFileError
 from .layers import FullLayer, LowRankLayer
@@ -34,7 +34,7 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_cache(path: str | Path, cache: S4RCache, meta: dict[str, Any]) -> None:
+def save_cache(path: str | Path, cache: CompressedCache, meta: dict[str, Any]) -> None:
     """Write `cache` and `meta` to `path` atomically (a crash never leaves a half-written file)."""
     tensors: dict[str, torch.Tensor] = {}
     kinds, configs = [], []
@@ -83,7 +83,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
     return header
 
 
-def load_cache(path: str | Path, cache: S4RCache, rope: RopeFn | None,
+def load_cache(path: str | Path, cache: CompressedCache, rope: RopeFn | None,
                device: torch.device) -> dict[str, Any]:
     """Fill the (fresh) `cache` from `path`; returns the saved metadata. Verifies the checksum."""
     header = read_header(path)

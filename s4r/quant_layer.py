@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .attention import causal_attention, handoff
-from .layers import S4RLayerBase, tensor_bytes
+from .layers import CacheLayer, tensor_bytes
 from .quantize import Quantized, dequantize_groups, quantize_groups
 
 
@@ -22,7 +22,7 @@ def _cat(a: Quantized | None, b: Quantized) -> Quantized:
                      torch.cat([a.zero, b.zero], dim=1), b.bits)
 
 
-class QuantLayer(S4RLayerBase):
+class QuantLayer(CacheLayer):
     """Quantized keys/values of the oldest tokens (a multiple of `key_group`), then full-precision ones."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, *, bits: int, key_group: int,
@@ -80,7 +80,7 @@ class QuantLayer(S4RLayerBase):
             self._fold(min(-(-excess // g) * g, self.res_k.shape[1] // g * g))
         self._append(key_states[0], value_states[0])
         keys = self.res_k.unsqueeze(0)
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.res_v.unsqueeze(0)
 
     def attend(self, query, key, value, scaling):

@@ -13,7 +13,7 @@ import torch
 
 from .attention import install
 from .budget import KVShape
-from .cache import S4RCache
+from .cache import CompressedCache
 from .chat_format import chat_segments
 from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
 from .generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
@@ -149,7 +149,7 @@ class Session:
         self.segments = chat_segments(self.tokenizer, system)
         self.rope = model_rope_fn(self.model)
         install(self.model)
-        self.cache: S4RCache | None = None
+        self.cache: CompressedCache | None = None
         self.compress_info: dict[str, Any] = {}
         # why the cache was kept uncompressed although a compressing method was asked for (else None)
         self.uncompressed_reason: str | None = None
@@ -187,10 +187,10 @@ class Session:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _new_cache(self) -> S4RCache:
+    def _new_cache(self) -> CompressedCache:
         # keep enough recent queries for any method a staged session may be forked into
         window = max(self._method.query_window, STAGING_QUERY_WINDOW)
-        return S4RCache(self.shape.layers, self.shape, query_window=window)
+        return CompressedCache(self.shape.layers, self.shape, query_window=window)
 
     @property
     def logical_length(self) -> int:
@@ -291,7 +291,7 @@ class Session:
                 self.cache = None
                 raise
         elif not fresh:
-            self.cache.compact()
+            self.cache.fold_buffer()
         t2 = time.perf_counter()
         # the freed staging buffers go back to the OS instead of staying in the process's heap
         release_freed_memory(self.device)
@@ -334,7 +334,7 @@ class Session:
     def fork(self, *, method: str, ratio: float, config_overrides: dict[str, Any] | None = None) -> Session:
         """A new session over a copy of this one's staged (uncompressed) documents, compressed with
         `method`. Its `compress_seconds` tells how long the compression alone took."""
-        if self.cache is None or self.cache.is_compressed():
+        if self.cache is None or not self.cache.is_staged():
             raise S4RError("fork needs a session whose documents were ingested with compress=False")
         other = Session(self.loaded, method=method, ratio=ratio, system=self.system, truncate=self.truncate,
                         config_overrides=config_overrides, chunk_size=self.chunk_size)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..cache import S4RCache
+from ..cache import CompressedCache
 from ..rope import RopeFn
 
 
@@ -32,6 +32,6 @@ class Method(Protocol):
     # without it is given the whole staged cache after a token-chunked prefill)
     layerwise: bool
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         """Compress `cache` in place after prefill; return what it chose (ranks, kept tokens...)."""
         ...

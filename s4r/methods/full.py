@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..cache import S4RCache
+from ..cache import CompressedCache
+from ..layers import FullLayer
 from .base import CompressContext
 
 
@@ -17,7 +18,6 @@ class FullMethod:
     query_window: int = 0
     layerwise: ClassVar[bool] = True
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
-        for layer in cache.layers:
-            layer.query_window, layer.queries = 0, None
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
+        cache.compress(lambda i, layer: FullLayer.from_staged(layer))
         return {}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..cache import S4RCache
+from ..cache import CompressedCache
 from ..config import S4RConfig
 from ..errors import S4RError
 from ..eviction import EvictedLayer, eviction_budget
@@ -46,7 +46,7 @@ class KVzipMethod:
     ratio: float | None = None
     chunk_tokens: int = 512
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         if ctx.model is None or ctx.ids is None or ctx.tokenizer is None:
             raise S4RError("kvzip scores by re-reading the prompt: it needs the model, tokenizer and ids")
         tokens = cache.logical_length()

@@ -18,7 +18,7 @@ import torch
 
 from ..attention import install
 from ..budget import KVShape, allocate_ranks, group_shape, solve_ranks
-from ..cache import S4RCache, staged_tensors
+from ..cache import CompressedCache, staged_tensors
 from ..compress import LayerBases, compress_layer, fit_layer_bases
 from ..config import S4RConfig
 from ..errors import S4RError
@@ -118,7 +118,7 @@ def calibrate(source: Any, text: str | Sequence[int] | torch.Tensor | None, cfg:
     install(model)
     rope = model_rope_fn(model) if cfg.key_space == "pre_rope" else None
     _, width = group_shape(shape, cfg.granularity)
-    cache = S4RCache(shape.layers, shape, query_window=0)
+    cache = CompressedCache(shape.layers, shape, query_window=0)
     if len(ids) <= cfg.sinks:
         raise S4RError("the calibration text is too short: it has no tokens past the sinks")
     # no_grad rather than inference_mode: the bases outlive this call and are used outside it
@@ -158,7 +158,7 @@ class OfflineMethod:
                                      chunk_size=chunk_size, register=register)
         return self.calibration
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         cfg = self.config
         calibration = self.calibration or registered_calibration(cache.shape, cfg)
         if calibration is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..budget import KVShape
-from ..cache import S4RCache, staged_tensors
+from ..cache import CompressedCache, staged_tensors
 from ..config import S4RConfig
 from ..errors import BudgetError
 from ..quant_layer import QuantLayer
@@ -85,7 +85,7 @@ class QuantMethod:
                                  self.reserve)
         return shape.full_bytes_per_token() * tokens / used
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         plan = plan_quant(cache.shape, cache.logical_length(), self.ratio or ctx.ratio, self.reserve)
 
         def build(i: int, layer) -> QuantLayer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..budget import allocate_ranks, group_shape, solve_ranks
-from ..cache import S4RCache, staged_tensors
+from ..cache import CompressedCache, staged_tensors
 from ..compress import compress_layer, fit_layer_bases
 from ..config import S4RConfig
 from .base import CompressContext
@@ -27,7 +27,7 @@ class S4RMethod:
         """Per-layer unless ranks are spread over layers by energy (that needs every layer's spectrum)."""
         return not (self.config.rank_alloc == "energy" and self.config.rank_k is None)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         cfg = self.config
         tokens = cache.logical_length()
         if cfg.rank_alloc == "energy" and cfg.rank_k is None:

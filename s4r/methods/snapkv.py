@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..cache import S4RCache
+from ..cache import CompressedCache
 from ..config import S4RConfig
 from ..eviction import EvictedLayer, eviction_budget
 from ..selection import pool_scores
@@ -79,7 +79,7 @@ class SnapKVMethod:
         return cls(query_window=cfg.query_window, kernel=cfg.pool_kernel, pool=cfg.pool,
                    reserve=cfg.buffer_tokens, ratio=cfg.ratio)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         tokens = cache.logical_length()
         budget = eviction_budget(cache.shape, tokens, self.ratio or ctx.ratio, self.reserve)
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import S4RCache
+from ..cache import CompressedCache
 from ..config import S4RConfig
 from ..eviction import EvictedLayer, eviction_budget
 from .base import CompressContext
@@ -42,7 +42,7 @@ class StreamingMethod:
         """Take the settings S4R shares with it (sinks, buffer_tokens as the reserve, ratio)."""
         return cls(sinks=cfg.sinks, reserve=cfg.buffer_tokens, ratio=cfg.ratio)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         tokens = cache.logical_length()
         budget = eviction_budget(cache.shape, tokens, self.ratio or ctx.ratio, self.reserve)
         idx = streaming_indices(tokens, budget, self.sinks)
