@@ -46,6 +46,8 @@ class EvictedLayer(CacheLayer):
     evicted after compression, so appended tokens each cost a full token.
     """
 
+    exact_fallback = True  # `update` returns every kept and appended token
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, logical: int) -> None:
         """keys/values: [H, K, d] post-RoPE kept tokens; logical: the prompt length they came from."""
         super().__init__()

@@ -22,6 +22,9 @@ class CacheLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    # whether plain attention over the keys `update` returns is this layer's own attention (all its keys,
+    # exact): only then may `s4r_attention` fall back to it when the hand-off misses
+    exact_fallback = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,6 +69,8 @@ class CacheLayer(CacheLayerMixin):
 class FullLayer(CacheLayer):
     """Uncompressed keys/values (post-RoPE), grown in amortized steps instead of a copy per token: the
     `full` method's layer, and the base of the prefill's `StagingLayer`."""
+
+    exact_fallback = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -131,6 +136,11 @@ class StagingLayer(FullLayer):
         super().__init__()
         self.query_window = query_window
         self.queries: torch.Tensor | None = None
+
+    @property
+    def exact_fallback(self) -> bool:
+        """Plain attention is exact, but only this layer's own attention records the queries."""
+        return not self.query_window
 
     def attend(self, query, key, value, scaling):
         if self.query_window:

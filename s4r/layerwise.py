@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .attention import drop_handoff, ensure_handoff_taken
+
 # architectures whose decoder is embed -> layers(hidden, position_embeddings, cache) -> norm -> lm_head,
 # with nothing else between them (no embedding scale, no logit soft-capping)
 LAYERWISE_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -79,8 +81,13 @@ def layerwise_prefill(model, cache, ids: torch.Tensor, start: int, block_size: i
             # per block: the rotary tables of a whole long document would be one more layer-sized tensor
             rotary = parts.rotary(block, pos)
             # in place: a block's input is needed only by that block (earlier tokens are in the cache)
-            hidden[:, begin:end] = layer(block, attention_mask=None, position_ids=pos, cache=cache,
-                                         use_cache=True, position_embeddings=rotary)
+            try:
+                hidden[:, begin:end] = layer(block, attention_mask=None, position_ids=pos, cache=cache,
+                                             use_cache=True, position_embeddings=rotary)
+            except BaseException:
+                drop_handoff()  # stopped between the cache update and its attention
+                raise
+            ensure_handoff_taken()  # this layer's attention went through s4r attention
         if on_layer_done is not None:
             on_layer_done(i)
         if progress is not None:

@@ -268,6 +268,8 @@ class LowRankLayer(CacheLayer):
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
         out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
                                head_blocks(self.basis_v, heads))
+        # a question longer than the buffer would hold the cache over its ratio until the next step
+        self.fold_buffer()
         return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
 
     # --- selection --------------------------------------------------------------------------------
@@ -392,8 +394,20 @@ class LowRankLayer(CacheLayer):
         return self._out_cache[1]
 
     # --- truncation ---------------------------------------------------------------------------------
+    def _forget_queries(self, removed: int) -> None:
+        """Drop the scoring state of the last `removed` positions' queries (a forgotten turn)."""
+        if self.cfg.scoring == "summed":
+            if self.query_coef is not None:  # the window's rows are the last positions, in order
+                keep = self.query_coef.shape[1] - removed
+                self.query_coef = self.query_coef[:, :keep].clone() if keep > 0 else None
+        else:
+            # a relevance aggregate cannot be split by query: the next queries start it again
+            self.query_coef, self._rel = None, None
+
     def truncate(self, logical: int) -> None:
         logical = max(self.sinks, min(self.logical, logical))
+        if logical < self.logical:
+            self._forget_queries(self.logical - logical)
         keep_buf = max(0, logical - self.sinks - self._n)
         keep_coef = min(self._n, logical - self.sinks)
         out_k, out_v = self.out_k, self.out_v

@@ -74,20 +74,28 @@ class QuantLayer(CacheLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise ValueError("a compressed s4r cache holds one sequence (batch size 1)")
-        excess = self.res_k.shape[1] + key_states.shape[-2] - self.reserve
-        if excess > 0:
-            g = self.key_group
-            self._fold(min(-(-excess // g) * g, self.res_k.shape[1] // g * g))
+        self.fold_buffer(incoming=key_states.shape[-2])
         self._append(key_states[0], value_states[0])
         keys = self.res_k.unsqueeze(0)
         handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.res_v.unsqueeze(0)
 
+    def fold_buffer(self, incoming: int = 0) -> None:
+        """Quantize the whole key groups of the residual that leave less than `reserve` tokens for it
+        (counting `incoming` tokens about to be appended)."""
+        excess = self.res_k.shape[1] + incoming - self.reserve
+        if excess > 0:
+            g = self.key_group
+            self._fold(min(-(-excess // g) * g, self.res_k.shape[1] // g * g))
+
     def attend(self, query, key, value, scaling):
         old_k, old_v = self.dequantized()
         keys = torch.cat([old_k, self.res_k], dim=1).unsqueeze(0)
         values = torch.cat([old_v, self.res_v], dim=1).unsqueeze(0)
-        return causal_attention(query, keys, values, scaling)
+        out = causal_attention(query, keys, values, scaling)
+        # a question longer than the reserve would hold the cache over its ratio until the next step
+        self.fold_buffer()
+        return out
 
     def truncate(self, logical: int) -> None:
         logical = max(0, min(self.logical, logical))
@@ -102,8 +110,9 @@ class QuantLayer(CacheLayer):
                 self._requantize(old_k[:, :start], old_v[:, :start])
             self.logical = logical
             return
-        self.res_k = self.res_k[:, : logical - self.quantized]
-        self.res_v = self.res_v[:, : logical - self.quantized]
+        # a copy: a view would keep the forgotten tokens' storage alive
+        self.res_k = self.res_k[:, : logical - self.quantized].clone()
+        self.res_v = self.res_v[:, : logical - self.quantized].clone()
         self.logical = logical
 
     def _requantize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
