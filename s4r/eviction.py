@@ -7,6 +7,8 @@ attention over the kept tokens is exact, only the dropped ones are missing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .attention import causal_attention, handoff
@@ -132,3 +134,20 @@ class EvictedLayer(CacheLayer):
         logical = max(self.prompt_length, min(self.logical, logical))
         self._n = self.kept + logical - self.prompt_length
         self.logical = logical
+
+    # --- persistence --------------------------------------------------------------------------------
+    kind = "evicted"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"k": self.keys_view, "v": self.values_view}
+
+    def meta_state(self) -> dict[str, Any]:
+        return {"kept": self.kept, "prompt_length": self.prompt_length, "logical": self.logical}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> EvictedLayer:
+        keys, values, kept = state["k"], state["v"], meta["kept"]
+        layer = cls(keys[:, :kept], values[:, :kept], meta["prompt_length"])
+        layer._k, layer._v, layer._n = keys.contiguous(), values.contiguous(), keys.shape[1]
+        layer.logical = meta["logical"]
+        return layer

@@ -6,6 +6,8 @@ reports `nbytes()` of everything it keeps.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -59,6 +61,23 @@ class CacheLayer(CacheLayerMixin):
 
     def truncate(self, logical: int) -> None:
         """Forget every token at or past position `logical`."""
+        raise NotImplementedError
+
+    # --- persistence (as mlx-lm's caches: `s4r.persist` writes whatever layers a cache holds) -----------
+    # the name a saved file gives this kind of layer
+    kind: ClassVar[str] = ""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors `from_state` rebuilds this layer from (parts the layer does not have are left out)."""
+        raise NotImplementedError
+
+    def meta_state(self) -> dict[str, Any]:
+        """The JSON-able settings and counts `from_state` needs besides the tensors."""
+        return {}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], meta: dict[str, Any], *, rope=None) -> CacheLayer:
+        """The layer `state()` and `meta_state()` describe (`rope`: the model's rotary embedding)."""
         raise NotImplementedError
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -125,6 +144,18 @@ class FullLayer(CacheLayer):
     def truncate(self, logical: int) -> None:
         self.logical = max(0, min(self.logical, logical))
 
+    kind = "full"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {} if self._k is None else {"k": self.keys_view, "v": self.values_view}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> FullLayer:
+        layer = cls(**meta)
+        if "k" in state:
+            layer._k, layer._v, layer.logical = state["k"], state["v"], state["k"].shape[-2]
+        return layer
+
 
 class StagingLayer(FullLayer):
     """The prefill's uncompressed layer, which a method then compresses.
@@ -154,6 +185,20 @@ class StagingLayer(FullLayer):
             keep = self.queries.shape[2] - (self.logical - max(0, logical))
             self.queries = self.queries[:, :, :keep].clone() if keep > 0 else None
         super().truncate(logical)
+
+    kind = "staging"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return super().state() | ({} if self.queries is None else {"queries": self.queries})
+
+    def meta_state(self) -> dict[str, Any]:
+        return {"query_window": self.query_window}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> StagingLayer:
+        layer = super().from_state(state, meta)
+        layer.queries = state.get("queries")
+        return layer
 
 
 def to_groups(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -430,3 +430,21 @@ class LowRankLayer(CacheLayer):
                 self._rel = self._rel[:, :keep_coef].clone()
             self._n = keep_coef
         self.logical = logical
+
+    # --- persistence --------------------------------------------------------------------------------
+    kind = "lowrank"
+    _STATE = ("sink_k", "sink_v", "basis_k", "basis_v", "coef_k", "coef_v", "scale_k", "scale_v",
+              "query_coef", "out_idx", "out_k", "out_v", "relevance", "buf_k", "buf_v")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
+
+    def meta_state(self) -> dict:
+        return {"config": self.cfg.to_dict()}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> LowRankLayer:
+        parts = {key: state.get(key) for key in cls._STATE if key not in ("buf_k", "buf_v")}
+        layer = cls(cfg=S4RConfig(**meta["config"]), rope=rope, **parts)
+        layer.set_buffer(state["buf_k"], state["buf_v"])
+        return layer

@@ -8,6 +8,8 @@ and is otherwise exact.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .attention import causal_attention, handoff
@@ -120,3 +122,30 @@ class QuantLayer(CacheLayer):
         self.q_k = quantize_groups(keys, self.bits, self.key_group, dim=-2)
         self.q_v = quantize_groups(values, self.bits, self.value_group, dim=-1)
         self.quantized = keys.shape[1]
+
+    # --- persistence --------------------------------------------------------------------------------
+    kind = "quant"
+    _PARTS = ("packed", "scale", "zero")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {"res_k": self.res_k, "res_v": self.res_v}
+        for name, q in (("k", self.q_k), ("v", self.q_v)):
+            if q is not None:
+                tensors.update({f"{name}.{part}": getattr(q, part) for part in self._PARTS})
+        return tensors
+
+    def meta_state(self) -> dict[str, Any]:
+        return {"bits": self.bits, "key_group": self.key_group, "value_group": self.value_group,
+                "reserve": self.reserve, "quantized": self.quantized, "logical": self.logical}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> QuantLayer:
+        res_k, res_v = state["res_k"], state["res_v"]
+        layer = cls(res_k[:, :0], res_v[:, :0], bits=meta["bits"], key_group=meta["key_group"],
+                    value_group=meta["value_group"], reserve=meta["reserve"])
+        layer.res_k, layer.res_v = res_k, res_v
+        if "k.packed" in state:
+            layer.q_k, layer.q_v = (Quantized(*(state[f"{name}.{part}"] for part in cls._PARTS), meta["bits"])
+                                    for name in ("k", "v"))
+        layer.quantized, layer.logical = meta["quantized"], meta["logical"]
+        return layer

@@ -145,6 +145,7 @@ class Session:
         except ValueError as exc:
             raise BudgetError(str(exc)) from None
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else next(self.model.parameters()).dtype
+        self.dtype = dtype
         self.shape = KVShape.from_config(self.model.config, torch.empty(0, dtype=dtype).element_size())
         self.segments = chat_segments(self.tokenizer, system)
         self.rope = model_rope_fn(self.model)
@@ -446,7 +447,9 @@ class Session:
     def _identity(self) -> dict[str, Any]:
         return {"model": str(self.loaded.name), "fingerprint": model_fingerprint(self.model),
                 "method": self.method, "ratio": self.ratio_requested if self.method != "full" else None,
-                "overrides": self.config_overrides or {}, "dtype": str(self.shape.dtype_bytes)}
+                "overrides": self.config_overrides or {},
+                # by name: bf16 and fp16 have the same width
+                "dtype": str(self.dtype).removeprefix("torch.")}
 
     def save(self, path: str | Path) -> None:
         """Save the compressed cache and what is needed to continue the conversation."""
@@ -476,7 +479,7 @@ class Session:
         saved, ours = meta.get("identity", {}), session._identity()
         for key, label, shown in (("fingerprint", "model", "model"), ("method", "method", "method"),
                                   ("ratio", "ratio", "ratio"), ("overrides", "settings", "overrides"),
-                                  ("dtype", "dtype bytes", "dtype")):
+                                  ("dtype", "dtype", "dtype")):
             if saved.get(key) != ours.get(key):
                 raise CacheFileError(f"saved cache {path} was made with {label} {saved.get(shown)!r}, "
                                      f"this session uses {ours.get(shown)!r}")
