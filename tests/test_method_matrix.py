@@ -4,14 +4,17 @@ to the same next answer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from s4r.eviction import EvictedLayer
 from s4r.generation import forward_tokens
-from s4r.methods import METHODS, OfflineMethod
+from s4r.methods import METHODS, REGISTRY, OfflineMethod, make_method
 from s4r.methods.offline import clear_calibrations
+from s4r.methods.scorer import ScorerMethod
 from s4r.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
@@ -72,3 +75,49 @@ def test_chat_saved_and_loaded_gives_the_same_next_answer(loaded, method, tmp_pa
     after, _ = restored.ask("And the red fox?", max_new_tokens=12)
     assert after == before
     assert restored.memory() == session.memory()
+
+
+# --- one registry, settings of their own -----------------------------------------------------------------
+
+@dataclass
+class RecentMethod(ScorerMethod):
+    """A new method is this class (its own file in s4r/methods/) plus one line in REGISTRY: keep the most
+    recent tokens, no sinks."""
+
+    name: str = "recent"
+
+    def score(self, i, layer, budget):
+        return torch.arange(layer.logical, dtype=torch.float32)
+
+
+def test_a_new_method_is_one_class_and_one_registry_line(loaded, monkeypatch, tmp_path):
+    monkeypatch.setitem(REGISTRY, "recent", RecentMethod.build)
+    session = chat(loaded, "recent", 2.5)
+    layer = session.cache.layers[0]
+    assert isinstance(layer, EvictedLayer)
+    staged = Session(loaded, method="full")
+    staged.ingest(DOC)
+    full_keys = staged.cache.layers[0].keys_view[0]
+    assert torch.equal(layer.keys_view, full_keys[:, -layer.kept :])  # what `score` asked for
+    answer, stats = session.ask(QUESTION, max_new_tokens=6)
+    assert stats.memory.ratio >= 2.5
+    session.save(tmp_path / "recent.s4r")
+    assert Session.load(tmp_path / "recent.s4r", loaded).memory() == session.memory()
+    assert make_method("recent", 3.0, {"buffer_tokens": 32}).reserve == 32
+
+
+def test_each_method_takes_its_own_settings_from_one_overrides_dict():
+    shared = {"buffer_tokens": 32, "pool_kernel": 5, "sinks": 2, "outlier_fraction": 0.0, "chunk_tokens": 64}
+    built = {name: make_method(name, 4.0, shared) for name in METHODS}
+    assert built["s4r"].config.buffer_tokens == 32 and built["s4r"].config.outlier_fraction == 0.0
+    assert (built["streaming"].reserve, built["streaming"].sinks) == (32, 2)
+    assert (built["snapkv"].reserve, built["snapkv"].kernel) == (32, 5)
+    assert (built["kvzip"].reserve, built["kvzip"].sinks, built["kvzip"].chunk_tokens) == (32, 2, 64)
+    assert built["quant"].reserve == 32 and built["quant"].ratio == 4.0
+    assert not hasattr(built["streaming"], "config")  # nothing borrowed from S4R's settings
+
+
+def test_a_setting_no_method_has_is_refused():
+    for name in METHODS:
+        with pytest.raises(ValueError, match="unknown setting.*buffer_tokes"):
+            make_method(name, 4.0, {"buffer_tokes": 32})

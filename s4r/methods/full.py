@@ -7,15 +7,15 @@ from typing import ClassVar
 
 from ..cache import CompressedCache
 from ..layers import FullLayer
-from .base import CompressContext
+from .base import CompressContext, OwnSettings
 
 
 @dataclass
-class FullMethod:
-    """Keep every key and value in the model's dtype."""
+class FullMethod(OwnSettings):
+    """Keep every key and value in the model's dtype (no settings: the ratio is always 1)."""
 
     name: str = "full"
-    query_window: int = 0
+    query_window: ClassVar[int] = 0
     layerwise: ClassVar[bool] = True
 
     def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..attention import install
-from ..budget import KVShape, allocate_ranks, group_shape, solve_ranks
+from ..budget import KVShape, group_shape
 from ..cache import CompressedCache, staged_tensors
 from ..compress import LayerBases, compress_layer, fit_layer_bases
 from ..config import S4RConfig
@@ -25,6 +25,7 @@ from ..errors import S4RError
 from ..generation import prefill
 from ..rope import model_rope_fn
 from .base import CompressContext
+from .s4r import S4RMethod, plan_ranks
 
 CALIBRATION_BOOK = "romeo-and-juliet"
 CALIBRATION_TOKENS = 2048
@@ -134,16 +135,12 @@ def calibrate(source: Any, text: str | Sequence[int] | torch.Tensor | None, cfg:
 
 
 @dataclass
-class OfflineMethod:
+class OfflineMethod(S4RMethod):
     """S4R with bases from a calibration instead of the prompt; ranks from the same solver as s4r."""
 
     config: S4RConfig = field(default_factory=S4RConfig)
     name: str = "offline"
     calibration: Calibration | None = None
-
-    @property
-    def query_window(self) -> int:
-        return self.config.query_window
 
     @property
     def layerwise(self) -> bool:
@@ -166,14 +163,9 @@ class OfflineMethod:
         if calibration.key != basis_key(cache.shape, cfg):
             raise S4RError("the offline calibration was made for another model shape or basis settings")
         self.calibration = calibration
-        tokens = cache.logical_length()
         # the same solver as s4r; energy allocation reads the calibration's spectra (the prompt's own
         # are what offline does without)
-        if cfg.rank_alloc == "energy" and cfg.rank_k is None:
-            ranks = allocate_ranks(cache.shape, cfg, tokens, calibration.energies())
-        else:
-            plan = solve_ranks(cache.shape, cfg, tokens)
-            ranks = [(plan.rank_k, plan.rank_v)] * len(cache.layers)
+        ranks = plan_ranks(cache.shape, cfg, cache.logical_length(), calibration.energies)
 
         def build(i: int, layer):
             keys = layer.keys_view
