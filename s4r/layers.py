@@ -215,8 +215,14 @@ def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
     return basis[0].view(heads, -1, basis.shape[-1])
 
 
+def project_queries(queries: torch.Tensor, basis_k: torch.Tensor) -> torch.Tensor:
+    """Query coefficients [H, rows, r_k] (fp32) of queries [H, rows, d] (the query heads of each KV head
+    as its rows) on the key basis [G, width, r_k]: each KV head's block of the basis."""
+    return torch.matmul(queries.float(), head_blocks(basis_k, queries.shape[0]).float())
+
+
 # the S4R layer lives in its own module; imported last because it builds on the classes above
 from .lowrank import LowRankLayer  # noqa: E402
 
-__all__ = ["CacheLayer", "FullLayer", "LowRankLayer", "StagingLayer", "head_blocks", "tensor_bytes",
-           "to_groups"]
+__all__ = ["CacheLayer", "FullLayer", "LowRankLayer", "StagingLayer", "head_blocks", "project_queries",
+           "tensor_bytes", "to_groups"]

@@ -23,7 +23,7 @@ import torch
 from .attention import causal_mask, handoff
 from .config import S4RConfig
 from .latent import gather_value_rows, gathered_logits, latent_logits, merged_attention
-from .layers import CacheLayer, head_blocks, tensor_bytes, to_groups
+from .layers import CacheLayer, head_blocks, project_queries, tensor_bytes, to_groups
 from .rope import RopeFn, apply_rope, undo_rope
 from .selection import decay_factor, latent_scores, pool_scores, select_tokens, update_relevance
 from .subspace import project, quantize_int8
@@ -281,8 +281,7 @@ class LowRankLayer(CacheLayer):
             n_rep = qf.shape[1] // q_len
             q = qf.view(self.heads, n_rep, q_len, -1)
             qf = undo_rope(q, cos, sin).reshape(qf.shape)
-        kb = head_blocks(self.basis_k, self.heads)
-        return torch.matmul(qf, kb.float())
+        return project_queries(qf, self.basis_k)
 
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
