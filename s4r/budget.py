@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .coef_bands import plan_bands
 from .config import S4RConfig
 from .errors import BudgetError
 
@@ -50,6 +51,15 @@ def coef_bytes(coef_dtype: str, dtype_bytes: int) -> int:
     return 1 if coef_dtype == "int8" else dtype_bytes
 
 
+def token_coef_bytes(cfg: S4RConfig, rank: int, dtype_bytes: int) -> int:
+    """Bytes one token's coefficients of one basis group take at `rank`: codes, int8 scale, band steps."""
+    if cfg.coef_bands is None:
+        scale = dtype_bytes if cfg.coef_dtype == "int8" else 0
+        return rank * coef_bytes(cfg.coef_dtype, dtype_bytes) + scale
+    plan = plan_bands(rank, cfg.coef_bands)
+    return plan.lead + dtype_bytes + plan.tail_bytes + plan.tail_count * dtype_bytes
+
+
 def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int, stored: int,
                         buffer: int) -> int:
     """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), scoring state (query window or
@@ -58,16 +68,15 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
     b = shape.dtype_bytes
     sinks = cfg.sinks * shape.full_bytes_per_token()
     bases = groups * width * (rank_k + rank_v) * b
-    coefs = groups * stored * (rank_k + rank_v) * coef_bytes(cfg.coef_dtype, b)
-    scales = 2 * groups * stored * b if cfg.coef_dtype == "int8" else 0
-    qwin = shape.q_heads * cfg.query_window * rank_k * b
+    coefs = groups * stored * (token_coef_bytes(cfg, rank_k, b) + token_coef_bytes(cfg, rank_v, b))
+    qwin = shape.q_heads * cfg.query_window * plan_bands(rank_k, cfg.coef_bands).lead * b
     if cfg.scoring == "query":
         qwin = 0  # scores come from the current queries alone
     elif cfg.scoring != "summed":
         # relevance scoring: the window queries seed a relevance per KV head and token, then go
         qwin = max(qwin, (1 if cfg.shared_selection else shape.kv_heads) * stored * b)
     outliers = cfg.outlier_count(stored) * (shape.full_bytes_per_token() + 4)  # + an int32 index
-    return sinks + bases + coefs + scales + qwin + outliers + buffer * shape.full_bytes_per_token()
+    return sinks + bases + coefs + qwin + outliers + buffer * shape.full_bytes_per_token()
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .coef_bands import encode_coefficients
 from .config import S4RConfig
 from .layers import LowRankLayer, project_queries, to_groups
 from .rope import RopeFn, undo_rope
-from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, quantize_int8
+from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, relative_residual
 
 
 @dataclass
@@ -60,17 +61,6 @@ def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, ro
     basis_k, energy_k = _fit(k_groups, idx, cfg, rank_k)
     basis_v, energy_v = _fit(v_groups, idx, cfg, rank_v)
     return LayerBases(basis_k, basis_v, energy_k, energy_v)
-
-
-def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """Per token [N]: squared projection error over squared norm, summed over basis groups.
-
-    The basis is orthonormal, so the error is the energy the coefficients do not capture; no residual
-    as large as `x` is built (that was the biggest transient of a long layer's compression).
-    """
-    total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
-    captured = torch.matmul(x, basis).pow(2).sum(dim=(0, 2))
-    return (total - captured).clamp_min(0) / total.clamp_min(1e-12)
 
 
 def _per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -147,13 +137,8 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     basis_k, basis_v = (b.float() for b in (bases.k[..., :rank_k], bases.v[..., :rank_v]))
     k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
 
-    coef_k, coef_v = project(k_groups, basis_k), project(v_groups, basis_v)
-    scale_k = scale_v = None
-    if cfg.coef_dtype == "int8":
-        coef_k, scale_k = quantize_int8(coef_k, dtype)
-        coef_v, scale_v = quantize_int8(coef_v, dtype)
-    else:
-        coef_k, coef_v = coef_k.to(dtype), coef_v.to(dtype)
+    coef_k, scale_k, tail_k, tail_step_k = encode_coefficients(project(k_groups, basis_k), cfg, dtype)
+    coef_v, scale_v, tail_v, tail_step_v = encode_coefficients(project(v_groups, basis_v), cfg, dtype)
 
     out_idx = out_k = out_v = None
     n_out = cfg.outlier_count(k_groups.shape[1])
@@ -180,4 +165,5 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     return LowRankLayer(cfg=cfg, sink_k=keys[:, :s].clone(), sink_v=values[:, :s].clone(),
                         basis_k=basis_k.to(dtype), basis_v=basis_v.to(dtype), coef_k=coef_k, coef_v=coef_v,
                         scale_k=scale_k, scale_v=scale_v, query_coef=query_coef, rope=rope,
-                        out_idx=out_idx, out_k=out_k, out_v=out_v)
+                        out_idx=out_idx, out_k=out_k, out_v=out_v, tail_k=tail_k, tail_v=tail_v,
+                        tail_step_k=tail_step_k, tail_step_v=tail_step_v)

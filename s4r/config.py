@@ -47,6 +47,10 @@ class S4RConfig:
     granularity: Granularity = "layer"
     # int8 coefficients (with a per-token scale) buy about twice the rank of model-dtype ones
     coef_dtype: CoefDtype = "int8"
+    # bit widths of the coefficients along the rank as "bits:share,...", e.g. "8:1,4:3,2:4": the leading
+    # eighth of the columns in int8 (they score tokens), the next 3/8 in 4 bits, the rest in 2 bits
+    # (see coef_bands.py); None keeps every column in `coef_dtype`
+    coef_bands: str | None = None
 
     # decode
     local_window: int = 32
@@ -93,6 +97,12 @@ class S4RConfig:
             raise ValueError(f"scoring must be query, max, mean or summed, got {self.scoring!r}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError("pool_kernel must be a positive odd number")
+        if self.coef_bands is not None:
+            from .coef_bands import parse_band_spec
+
+            parse_band_spec(self.coef_bands)  # raises ValueError with the reason
+            if self.coef_dtype != "int8":
+                raise ValueError("coef_bands needs coef_dtype='int8' (the leading band is int8)")
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
             raise ValueError("need 1 <= fold_tokens <= buffer_tokens")
 

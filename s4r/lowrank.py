@@ -21,12 +21,13 @@ import math
 import torch
 
 from .attention import causal_mask, handoff
+from .coef_bands import Encoded, decode_tails, encode_coefficients, plan_bands
 from .config import S4RConfig
 from .latent import gather_value_rows, gathered_logits, latent_logits, merged_attention
 from .layers import CacheLayer, head_blocks, project_queries, tensor_bytes, to_groups
 from .rope import RopeFn, apply_rope, undo_rope
 from .selection import decay_factor, latent_scores, pool_scores, select_tokens, update_relevance
-from .subspace import project, quantize_int8
+from .subspace import project, relative_residual
 
 # spare token slots when a store grows: the larger of this and 1/16 of what it holds
 MIN_SPARE = 64
@@ -52,6 +53,10 @@ def _cloned(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
 
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
 class LowRankLayer(CacheLayer):
     """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
     the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
@@ -65,7 +70,9 @@ class LowRankLayer(CacheLayer):
                  scale_k: torch.Tensor | None, scale_v: torch.Tensor | None, query_coef: torch.Tensor | None,
                  rope: RopeFn | None, out_idx: torch.Tensor | None = None,
                  out_k: torch.Tensor | None = None, out_v: torch.Tensor | None = None,
-                 relevance: torch.Tensor | None = None) -> None:
+                 relevance: torch.Tensor | None = None, tail_k: torch.Tensor | None = None,
+                 tail_v: torch.Tensor | None = None, tail_step_k: torch.Tensor | None = None,
+                 tail_step_v: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.rope = rope
@@ -82,8 +89,17 @@ class LowRankLayer(CacheLayer):
         self._cv = coef_v.contiguous()  # [G, N, r_v]
         self._sk = None if scale_k is None else scale_k[..., 0].contiguous()  # [G, N]
         self._sv = None if scale_v is None else scale_v[..., 0].contiguous()
+        # lower coefficient bands (coef_bands): packed codes [G, N, bytes] and steps [G, N, bands]
+        int8 = cfg.coef_dtype == "int8"
+        self.plan_k = plan_bands(basis_k.shape[-1], cfg.coef_bands if int8 else None)
+        self.plan_v = plan_bands(basis_v.shape[-1], cfg.coef_bands if int8 else None)
+        self._tk, self._tv = _contiguous(tail_k), _contiguous(tail_v)
+        self._tsk, self._tsv = _contiguous(tail_step_k), _contiguous(tail_step_v)
+        if bool(self.plan_k.tails) != (tail_k is not None) or bool(self.plan_v.tails) != (tail_v is not None):
+            raise ValueError("coefficient bands do not match the configuration's coef_bands")
         # [Hq, W, r_k]: the prompt's last queries, until they seed relevance (`query` scoring needs none)
-        self.query_coef = None if cfg.scoring == "query" else query_coef
+        self.query_coef = None if cfg.scoring == "query" or query_coef is None else (
+            query_coef[..., : self.plan_k.lead].contiguous())  # scoring runs on the int8 band
         self._rel = None if relevance is None else relevance.contiguous()  # [H, N]
         self._decay = decay_factor(cfg.query_window)
         self._prompt_coefs = n  # where the prompt's last queries (query_coef) sat
@@ -159,6 +175,23 @@ class LowRankLayer(CacheLayer):
         return None if self._sv is None else self._sv[:, : self._n].unsqueeze(-1)
 
     @property
+    def tail_k(self) -> torch.Tensor | None:
+        """[G, N, bytes] packed codes of the lower key bands (None without `coef_bands`)."""
+        return None if self._tk is None else self._tk[:, : self._n]
+
+    @property
+    def tail_v(self) -> torch.Tensor | None:
+        return None if self._tv is None else self._tv[:, : self._n]
+
+    @property
+    def tail_step_k(self) -> torch.Tensor | None:
+        return None if self._tsk is None else self._tsk[:, : self._n]
+
+    @property
+    def tail_step_v(self) -> torch.Tensor | None:
+        return None if self._tsv is None else self._tsv[:, : self._n]
+
+    @property
     def relevance(self) -> torch.Tensor | None:
         """[H, N] relevance of every stored token (None unless `max`/`mean` scoring has seen a query)."""
         return None if self._rel is None else self._rel[:, : self._n]
@@ -176,21 +209,25 @@ class LowRankLayer(CacheLayer):
         e = self.exact_length
         return tensor_bytes(self._ek[:, :e], self._ev[:, :e], self.basis_k, self.basis_v, self.coef_k,
                             self.coef_v, self.scale_k, self.scale_v, self.query_coef, self.relevance,
-                            self.out_idx)
+                            self.out_idx, self.tail_k, self.tail_v, self.tail_step_k, self.tail_step_v)
 
     # --- coefficients <-> vectors -----------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rope(positions)
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def _encode(self, x: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        coef = project(to_groups(x, basis.shape[0]).float(), basis.float())
-        if self.cfg.coef_dtype == "int8":
-            return quantize_int8(coef, self.dtype)
-        return coef.to(self.dtype), None
+    def _encode(self, x: torch.Tensor, basis: torch.Tensor) -> Encoded:
+        return encode_coefficients(project(to_groups(x, basis.shape[0]).float(), basis.float()), self.cfg,
+                                   self.dtype)
 
-    def _append_coefs(self, ck, sk, cv, sv) -> None:
+    def _append_coefs(self, ck, sk, cv, sv, tails=(None, None, None, None)) -> None:
         n, m = self._n, ck.shape[1]
+        if self._tk is not None:
+            names = ("_tk", "_tsk", "_tv", "_tsv")
+            for name, new in zip(names, tails, strict=True):
+                store = grown(getattr(self, name), 1, n, n + m)
+                store[:, n : n + m] = new
+                setattr(self, name, store)
         self._ck = grown(self._ck, 2, n, n + m)
         self._cv = grown(self._cv, 1, n, n + m)
         self._ck[..., n : n + m] = ck.transpose(1, 2)
@@ -207,17 +244,38 @@ class LowRankLayer(CacheLayer):
         """Move the oldest `n` buffer tokens into coefficients with the existing bases."""
         if n <= 0:
             return
-        k, v = self.buf_k[:, :n], self.buf_v[:, :n]
+        exact_k, v = self.buf_k[:, :n], self.buf_v[:, :n]
+        k = exact_k
         if self.cfg.key_space == "pre_rope":
             start = self.sinks + self._n
             k = undo_rope(k, *self._rope(torch.arange(start, start + n)))
-        ck, sk = self._encode(k, self.basis_k)
-        cv, sv = self._encode(v, self.basis_v)
-        self._append_coefs(ck, sk, cv, sv)
-        start, rest = self.sinks + self._n_out, self._n_buf - n
-        self._ek[:, start : start + rest] = self._ek[:, start + n : start + n + rest].clone()
-        self._ev[:, start : start + rest] = self._ev[:, start + n : start + n + rest].clone()
+        picks = self._new_outliers(k, v)
+        first = self._n
+        ck, sk, tk, tsk = self._encode(k, self.basis_k)
+        cv, sv, tv, tsv = self._encode(v, self.basis_v)
+        self._append_coefs(ck, sk, cv, sv, (tk, tsk, tv, tsv))
+        # workspace: sinks | outliers | buffer -> sinks | outliers | new outliers | rest of the buffer
+        start, o, rest = self.sinks + self._n_out, picks.numel(), self._n_buf - n
+        moved_k, moved_v = exact_k[:, picks].clone(), v[:, picks].clone()
+        self._ek[:, start + o : start + o + rest] = self._ek[:, start + n : start + n + rest].clone()
+        self._ev[:, start + o : start + o + rest] = self._ev[:, start + n : start + n + rest].clone()
+        if o:
+            self._ek[:, start : start + o], self._ev[:, start : start + o] = moved_k, moved_v
+            new_idx = (picks + first).to(torch.int32)
+            self.out_idx = new_idx if self.out_idx is None else torch.cat([self.out_idx, new_idx])
+            self._n_out += o
         self._n_buf = rest
+
+    def _new_outliers(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Which of the tokens being folded stay exact: the same share as at compression, the ones the
+        bases represent worst, so a second document or a long chat keeps its rare tokens (a needle)."""
+        count = self.cfg.outlier_count(k.shape[1])
+        if not count:
+            return torch.zeros(0, dtype=torch.long, device=k.device)
+        groups = self.basis_k.shape[0]
+        worst = (relative_residual(to_groups(k, groups).float(), self.basis_k.float())
+                 + relative_residual(to_groups(v, groups).float(), self.basis_v.float()))
+        return torch.topk(worst, count).indices.sort().values
 
     # --- cache protocol ---------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
@@ -261,8 +319,11 @@ class LowRankLayer(CacheLayer):
         n = self._n
         if n:
             idx, sel_logits = self._select_and_score(qf, exact_logits, q_len, scaling)
-            value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
-                                                        self._sv[:, :n], idx)
+            if self._tv is None:
+                value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
+                                                            self._sv[:, :n], idx)
+            else:
+                value_rows, value_scale = self._rows(idx, keys=False), None
         else:
             sel_logits = exact_logits.new_empty(heads, rows, 0)
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
@@ -289,7 +350,8 @@ class LowRankLayer(CacheLayer):
         n = self._n
         scale_k = None if self._sk is None else self._sk[:, :n]
         coef_t = self._ck[..., :n]
-        q_lat = self._latent_query(qf, q_len)
+        q_full = self._latent_query(qf, q_len)
+        q_lat = q_full if self._tk is None else q_full[..., : self.plan_k.lead].contiguous()  # the int8 band
         full_logits = None
         if self.cfg.scoring == "summed":
             scores = self._summed_scores(q_lat, q_len, coef_t, scale_k, scaling)
@@ -310,6 +372,11 @@ class LowRankLayer(CacheLayer):
             idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
         if self.cfg.key_space == "pre_rope":
             return idx, self._rebuilt_key_logits(qf, idx, scaling)
+        if self._tk is not None:  # the selected tokens' logits over every band, not just the scoring one
+            rows = self._rows(idx, keys=True)
+            if rows.shape[0] == 1:
+                return idx, torch.matmul(q_full, rows[0].transpose(0, 1)).mul_(scaling)
+            return idx, torch.matmul(q_full, rows.transpose(1, 2)).mul_(scaling)
         if full_logits is not None:
             heads, rows, _ = full_logits.shape
             return idx, torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
@@ -317,15 +384,33 @@ class LowRankLayer(CacheLayer):
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
         """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
-        n = self._n
-        scale_k = None if self._sk is None else self._sk[:, :n]
-        rows, sc = gather_value_rows(self.coef_k, scale_k, idx)  # key coefficient rows [H, k, r_k]
         kb = head_blocks(self.basis_k, self.heads).float()
-        keys = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
-        keys = torch.matmul(keys, kb.transpose(1, 2))
+        keys = torch.matmul(self._rows(idx, keys=True), kb.transpose(1, 2))  # [H or 1, k, d]
         cos, sin = self.rope(idx.reshape(-1) + self.sinks)
         keys = apply_rope(keys, cos.float().view(*idx.shape, -1), sin.float().view(*idx.shape, -1))
         return torch.matmul(qf, keys.transpose(1, 2)).mul_(scaling)
+
+    def _rows(self, idx: torch.Tensor, keys: bool) -> torch.Tensor:
+        """fp32 coefficient rows [H or 1, k, r] of the stored tokens `idx` [H or 1, k], every band."""
+        n = self._n
+        coef, scale = (self.coef_k, self._sk) if keys else (self.coef_v, self._sv)
+        rows, sc = gather_value_rows(coef, None if scale is None else scale[:, :n], idx)
+        rows = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
+        codes, steps = (self._tk, self._tsk) if keys else (self._tv, self._tsv)
+        if codes is None:
+            return rows
+        plan = self.plan_k if keys else self.plan_v
+        heads, k = idx.shape
+        if codes.shape[0] == 1:
+            flat = idx.reshape(-1)
+            tail = decode_tails(codes[0, :n].index_select(0, flat), steps[0, :n].index_select(0, flat), plan)
+            tail = tail.view(heads, k, -1)
+        else:
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return torch.gather(t[:, :n], 1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+            tail = decode_tails(pick(codes), pick(steps), plan)
+        return torch.cat([rows, tail], dim=-1)
 
     def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
         q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
@@ -427,13 +512,17 @@ class LowRankLayer(CacheLayer):
                 self._sk, self._sv = self._sk[:, :keep_coef].clone(), self._sv[:, :keep_coef].clone()
             if self._rel is not None:
                 self._rel = self._rel[:, :keep_coef].clone()
+            if self._tk is not None:
+                self._tk, self._tv = self._tk[:, :keep_coef].clone(), self._tv[:, :keep_coef].clone()
+                self._tsk, self._tsv = self._tsk[:, :keep_coef].clone(), self._tsv[:, :keep_coef].clone()
             self._n = keep_coef
         self.logical = logical
 
     # --- persistence --------------------------------------------------------------------------------
     kind = "lowrank"
     _STATE = ("sink_k", "sink_v", "basis_k", "basis_v", "coef_k", "coef_v", "scale_k", "scale_v",
-              "query_coef", "out_idx", "out_k", "out_v", "relevance", "buf_k", "buf_v")
+              "query_coef", "out_idx", "out_k", "out_v", "relevance", "tail_k", "tail_v", "tail_step_k",
+              "tail_step_v", "buf_k", "buf_v")
 
     def state(self) -> dict[str, torch.Tensor]:
         return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}

@@ -69,3 +69,14 @@ def quantize_int8(coef: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.T
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize_int8`, in `dtype`."""
     return q.to(dtype) * scale.to(dtype)
+
+
+def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Per token [N]: squared projection error over squared norm, summed over basis groups.
+
+    The basis is orthonormal, so the error is the energy the coefficients do not capture; no residual
+    as large as `x` is built (that was the biggest transient of a long layer's compression).
+    """
+    total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
+    captured = torch.matmul(x, basis).pow(2).sum(dim=(0, 2))
+    return (total - captured).clamp_min(0) / total.clamp_min(1e-12)

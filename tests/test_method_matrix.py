@@ -59,9 +59,11 @@ def test_method_keeps_its_budget_and_decodes(loaded, method, ratio):
         assert stats.memory.ratio == 1.0
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_chat_saved_and_loaded_gives_the_same_next_answer(loaded, method, tmp_path):
-    session = chat(loaded, method, 2.5)
+@pytest.mark.parametrize(("method", "overrides"), [(m, None) for m in METHODS]
+                         + [("s4r", {"coef_bands": "8:1,4:1", "scoring": "max"})])
+def test_chat_saved_and_loaded_gives_the_same_next_answer(loaded, method, overrides, tmp_path):
+    session = Session(loaded, method=method, ratio=2.5, config_overrides=overrides)
+    session.ingest(DOC)
     session.ask(QUESTION, max_new_tokens=6)  # a first turn, so the saved state is past the document
     session.save(tmp_path / "chat.s4r")
     restored = Session.load(tmp_path / "chat.s4r", loaded)
