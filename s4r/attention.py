@@ -3,7 +3,11 @@
 Every cache layer of s4r hands itself to the attention function through `handoff` in its `update`
 (transformers calls `cache.update` right before the attention function of the same layer). The
 attention function then asks that layer to attend, so a compressed layer can pick and reconstruct the
-tokens it needs from the query. Tensors that did not come from an s4r layer get plain causal attention.
+tokens it needs from the query. The hand-off exists because transformers gives the attention function
+no handle on the cache. When it misses (another attention implementation ran, or a wrapper changed the
+keys), plain attention over the keys `update` returned is only exact for a layer that returns all its
+keys (`exact_fallback`); for a compressed layer that is just the recent buffer, so it is an error.
+Keys no s4r layer handed off (a forward without an s4r cache) get plain causal attention.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import threading
 
 import torch
 import torch.nn.functional as F
+
+from .errors import S4RError
 
 ATTN_NAME = "s4r"
 _active = threading.local()
@@ -26,6 +32,28 @@ def handoff(layer, keys: torch.Tensor) -> None:
     """Record that `layer` just returned `keys` from its update (same thread, same forward)."""
     _active.layer = layer
     _active.keys = keys
+
+
+def _missed(layer) -> S4RError:
+    return S4RError(
+        f"s4r attention did not get the keys its {type(layer).__name__} returned (another attention "
+        "implementation ran, or a wrapper changed the keys): those keys are only the layer's exact part, "
+        "so plain attention over them would silently leave out the compressed document")
+
+
+def ensure_handoff_taken() -> None:
+    """After a forward: raise S4RError if its last layer handed off keys that no s4r attention took (the
+    model runs another attention implementation, which for a compressed layer means without its
+    document); a layer whose plain attention is exact (`exact_fallback`) is let go."""
+    layer = getattr(_active, "layer", None)
+    _active.layer = _active.keys = None
+    if layer is not None and not getattr(layer, "exact_fallback", False):
+        raise _missed(layer)
+
+
+def drop_handoff() -> None:
+    """Forget a pending hand-off (a forward that stopped between a cache update and its attention)."""
+    _active.layer = _active.keys = None
 
 
 def causal_mask(q_len: int, s_len: int, prefix: int | None = None,
@@ -80,6 +108,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 class _Plain:
     """Marks keys handed off by a plain transformers cache (see `handoff_plain`)."""
 
+    exact_fallback = True  # a plain cache returns all its keys
+
 
 PLAIN = _Plain()
 
@@ -101,11 +131,14 @@ def s4r_attention(module, query, key, value, attention_mask, scaling=None, dropo
         _active.layer = _active.keys = None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if layer is not None and getattr(_active, "keys", None) is key:
-        out = layer.attend(query, key, value, scaling)
-    else:
-        out = causal_attention(query, key, value, scaling)
+    handed = getattr(_active, "keys", None) is key
     _active.layer = _active.keys = None
+    if layer is not None and handed:
+        out = layer.attend(query, key, value, scaling)
+    elif layer is None or getattr(layer, "exact_fallback", False):
+        out = causal_attention(query, key, value, scaling)
+    else:
+        raise _missed(layer)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,4 +1,4 @@
-"""`S4RCache`: the transformers `Cache` holding one s4r layer per model layer."""
+"""`CompressedCache`: the transformers `Cache` holding one s4r layer per model layer."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from .budget import KVShape
-from .layers import FullLayer, S4RLayerBase
+from .layers import CacheLayer, FullLayer, StagingLayer
 
 
-class S4RCache(Cache):
+class CompressedCache(Cache):
     """A cache whose layers start uncompressed (prefill staging) and are then compressed by a method.
 
     Logical length (`get_seq_length`, what positions continue from) and stored length (`get_mask_sizes`)
@@ -19,11 +19,11 @@ class S4RCache(Cache):
     """
 
     def __init__(self, num_layers: int, shape: KVShape, query_window: int = 32) -> None:
-        super().__init__(layers=[FullLayer(query_window) for _ in range(num_layers)])
+        super().__init__(layers=[StagingLayer(query_window) for _ in range(num_layers)])
         self.shape = shape
         # layer-wise ingest: staging layers still being filled, and the build waiting for them
         self._held: set[int] = set()
-        self._pending_build: Callable[[int, FullLayer], S4RLayerBase] | None = None
+        self._pending_build: Callable[[int, StagingLayer], CacheLayer] | None = None
 
     # --- accounting -------------------------------------------------------------------------------
     def logical_length(self) -> int:
@@ -45,10 +45,14 @@ class S4RCache(Cache):
 
     # --- lifecycle --------------------------------------------------------------------------------
     def is_compressed(self) -> bool:
-        """Whether the layers hold a compressed form (anything but the staging layers)."""
-        return not all(type(layer) is FullLayer for layer in self.layers)
+        """Whether the layers hold a compressed form (anything but full-precision layers)."""
+        return not all(isinstance(layer, FullLayer) for layer in self.layers)
 
-    def compress(self, build: Callable[[int, FullLayer], S4RLayerBase]) -> None:
+    def is_staged(self) -> bool:
+        """Whether every layer is still a prefill staging layer (no method has compressed it yet)."""
+        return all(type(layer) is StagingLayer for layer in self.layers)
+
+    def compress(self, build: Callable[[int, StagingLayer], CacheLayer]) -> None:
         """Replace every staging layer by `build(layer_idx, staging_layer)`, one layer at a time so the
         peak memory is the full cache plus one compressed layer.
 
@@ -56,7 +60,7 @@ class S4RCache(Cache):
         applied to each of them when it is released.
         """
         for i, layer in enumerate(self.layers):
-            if type(layer) is FullLayer and i not in self._held:
+            if type(layer) is StagingLayer and i not in self._held:
                 self.layers[i] = build(i, layer)
         self._pending_build = build if self._held else None
 
@@ -70,7 +74,7 @@ class S4RCache(Cache):
         """Size the empty staging layer `i` for `tokens` tokens at once: a layer-wise ingest knows the
         length up front, and growing by doubling would hold up to 1.5x a layer during the last copy."""
         layer = self.layers[i]
-        if type(layer) is not FullLayer or layer.logical:
+        if type(layer) is not StagingLayer or layer.logical:
             return
         shape = (1, self.shape.kv_heads, tokens, self.shape.head_dim)
         # one update of `tokens` (broadcast zeros, nothing allocated for them) sizes the storage exactly;
@@ -82,18 +86,18 @@ class S4RCache(Cache):
     def release_layer(self, i: int) -> None:
         """Layer `i` holds its whole text now: compress it if a method's build is waiting for it."""
         self._held.discard(i)
-        if self._pending_build is not None and type(self.layers[i]) is FullLayer:
+        if self._pending_build is not None and type(self.layers[i]) is StagingLayer:
             self.layers[i] = self._pending_build(i, self.layers[i])
         if not self._held:
             self._pending_build = None
 
-    def copy_staged(self) -> S4RCache:
+    def copy_staged(self) -> CompressedCache:
         """An independent copy of a staged (uncompressed) cache."""
-        other = S4RCache(len(self.layers), self.shape)
+        other = CompressedCache(len(self.layers), self.shape)
         for i, layer in enumerate(self.layers):
-            if type(layer) is not FullLayer:
+            if type(layer) is not StagingLayer:
                 raise TypeError("copy_staged needs an uncompressed cache")
-            copy = FullLayer(layer.query_window)
+            copy = StagingLayer(layer.query_window)
             if layer.logical:
                 copy.update(layer.keys_view.clone(), layer.values_view.clone())
             copy.queries = None if layer.queries is None else layer.queries.clone()
@@ -109,14 +113,14 @@ class S4RCache(Cache):
         """The longest length every layer holds (after an interrupted forward, layers may differ)."""
         return min(layer.get_seq_length() for layer in self.layers)
 
-    def compact(self) -> None:
+    def fold_buffer(self) -> None:
         """Fold oversized buffers into coefficients (after appending a long text)."""
         for layer in self.layers:
-            if hasattr(layer, "compact"):
-                layer.compact()
+            if hasattr(layer, "fold_buffer"):
+                layer.fold_buffer()
 
 
-def staged_tensors(layer: FullLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def staged_tensors(layer: StagingLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(keys [H,T,d], values [H,T,d], queries [Hq,W,d] or None) of a staging layer, batch 1."""
     q = layer.queries[0] if layer.queries is not None else None
     return layer.keys_view[0], layer.values_view[0], q

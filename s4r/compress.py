@@ -8,7 +8,7 @@ import torch
 
 from .coef_bands import encode_coefficients
 from .config import S4RConfig
-from .layers import LowRankLayer, head_blocks, to_groups
+from .layers import LowRankLayer, project_queries, to_groups
 from .rope import RopeFn, undo_rope
 from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, relative_residual
 
@@ -160,8 +160,7 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
             q = undo_rope(q, *(t.float() for t in rope(torch.arange(total - w, total))))
         q = q[:, -cfg.query_window :]
         n_rep = q.shape[0] // heads
-        kb = head_blocks(basis_k, heads)
-        query_coef = torch.matmul(q.reshape(heads, n_rep * q.shape[1], -1), kb)
+        query_coef = project_queries(q.reshape(heads, n_rep * q.shape[1], -1), basis_k)
         query_coef = query_coef.view(q.shape[0], q.shape[1], -1).to(dtype)
     return LowRankLayer(cfg=cfg, sink_k=keys[:, :s].clone(), sink_v=values[:, :s].clone(),
                         basis_k=basis_k.to(dtype), basis_v=basis_v.to(dtype), coef_k=coef_k, coef_v=coef_v,

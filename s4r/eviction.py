@@ -7,16 +7,18 @@ attention over the kept tokens is exact, only the dropped ones are missing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .attention import causal_attention, handoff
 from .budget import KVShape, eviction_budget_tokens
 from .cache import staged_tensors
 from .errors import BudgetError
-from .layers import FullLayer, S4RLayerBase, tensor_bytes
+from .layers import CacheLayer, StagingLayer, tensor_bytes
 
 # Appended tokens grow the storage in fixed steps: amortized appends without the doubling slack a
-# FullLayer allows itself (which would show up in a memory benchmark as a bigger cache).
+# StagingLayer allows itself (which would show up in a memory benchmark as a bigger cache).
 GROW_TOKENS = 128
 
 
@@ -37,7 +39,7 @@ def eviction_budget(shape: KVShape, tokens: int, ratio: float, reserve: int) -> 
     return min(kept, tokens)
 
 
-class EvictedLayer(S4RLayerBase):
+class EvictedLayer(CacheLayer):
     """The kept prompt tokens of one layer, per KV head, followed by every token appended since.
 
     Storage is one [H, n, d] tensor per keys and values: first the `kept` prompt tokens (the same count
@@ -45,6 +47,8 @@ class EvictedLayer(S4RLayerBase):
     The logical length stays the true position count; the stored length is smaller. Nothing is
     evicted after compression, so appended tokens each cost a full token.
     """
+
+    exact_fallback = True  # `update` returns every kept and appended token
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, logical: int) -> None:
         """keys/values: [H, K, d] post-RoPE kept tokens; logical: the prompt length they came from."""
@@ -61,7 +65,7 @@ class EvictedLayer(S4RLayerBase):
         self.logical = logical
 
     @classmethod
-    def from_staged(cls, layer: FullLayer, idx: torch.Tensor) -> EvictedLayer:
+    def from_staged(cls, layer: StagingLayer, idx: torch.Tensor) -> EvictedLayer:
         """Keep the prompt tokens `idx` of a staging layer: [K] for every head, or [H, K] per head."""
         keys, values, _ = staged_tensors(layer)
         idx = idx.to(keys.device)
@@ -94,7 +98,7 @@ class EvictedLayer(S4RLayerBase):
         return self._n
 
     def nbytes(self) -> int:
-        """Bytes of the stored tokens (growth slack beyond them is allocator headroom, as in FullLayer)."""
+        """Bytes of the stored tokens (growth slack beyond them is allocator headroom, as in StagingLayer)."""
         return tensor_bytes(self.keys_view, self.values_view)
 
     # --- cache protocol ---------------------------------------------------------------------------
@@ -113,7 +117,7 @@ class EvictedLayer(S4RLayerBase):
         self._n = n + q
         self.logical += q
         keys = self.keys_view.unsqueeze(0)
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.values_view.unsqueeze(0)
 
     def attend(self, query, key, value, scaling):
@@ -130,3 +134,20 @@ class EvictedLayer(S4RLayerBase):
         logical = max(self.prompt_length, min(self.logical, logical))
         self._n = self.kept + logical - self.prompt_length
         self.logical = logical
+
+    # --- persistence --------------------------------------------------------------------------------
+    kind = "evicted"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"k": self.keys_view, "v": self.values_view}
+
+    def meta_state(self) -> dict[str, Any]:
+        return {"kept": self.kept, "prompt_length": self.prompt_length, "logical": self.logical}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> EvictedLayer:
+        keys, values, kept = state["k"], state["v"], meta["kept"]
+        layer = cls(keys[:, :kept], values[:, :kept], meta["prompt_length"])
+        layer._k, layer._v, layer._n = keys.contiguous(), values.contiguous(), keys.shape[1]
+        layer.logical = meta["logical"]
+        return layer

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from .attention import drop_handoff, ensure_handoff_taken
+
 
 def forward_tokens(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Run `ids` [1, q] at positions start..start+q-1 through the model; logits [vocab] of the last one.
@@ -13,7 +15,12 @@ def forward_tokens(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
     Only the last position's logits are materialized (`logits_to_keep=1`), whatever the chunk size.
     """
     positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
-    out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    try:
+        out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    except BaseException:
+        drop_handoff()  # stopped between a cache update and its attention: nothing was missed
+        raise
+    ensure_handoff_taken()  # the last layer's attention ran through s4r attention too
     return out.logits[0, -1]
 
 

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import torch
 
 from .attention import handoff, install
-from .cache import S4RCache, staged_tensors
+from .cache import CompressedCache, staged_tensors
 from .generation import forward_tokens
-from .layers import S4RLayerBase
+from .layers import CacheLayer
 
 
-class ScoringLayer(S4RLayerBase):
+class ScoringLayer(CacheLayer):
     """A staged layer's keys/values (not copied) plus the chunk being fed; records attention maxima."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -47,7 +47,7 @@ class ScoringLayer(S4RLayerBase):
         self.new_v = v if self.new_v is None else torch.cat([self.new_v, v], dim=1)
         self.logical += k.shape[1]
         keys = torch.cat([self.ctx_k, self.new_k], dim=1).unsqueeze(0)
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, torch.cat([self.ctx_v, self.new_v], dim=1).unsqueeze(0)
 
     def attend(self, query, key, value, scaling):
@@ -76,7 +76,7 @@ class ScoringLayer(S4RLayerBase):
         self.logical = min(self.logical, logical)
 
 
-def kvzip_scores(model, cache: S4RCache, context_ids: Sequence[int], repeat_ids: Sequence[int],
+def kvzip_scores(model, cache: CompressedCache, context_ids: Sequence[int], repeat_ids: Sequence[int],
                  chunk_tokens: int = 512) -> list[torch.Tensor]:
     """Per layer [H, T]: each cached token's largest attention from the context-reconstruction queries.
 
@@ -85,7 +85,7 @@ def kvzip_scores(model, cache: S4RCache, context_ids: Sequence[int], repeat_ids:
     install(model)
     device = next(model.parameters()).device
     layers = [ScoringLayer(*staged_tensors(layer)[:2]) for layer in cache.layers]
-    scoring = S4RCache(len(layers), cache.shape, query_window=0)
+    scoring = CompressedCache(len(layers), cache.shape, query_window=0)
     scoring.layers = layers
     start = cache.logical_length()
     ids = list(context_ids)

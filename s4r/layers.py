@@ -6,6 +6,8 @@ reports `nbytes()` of everything it keeps.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -17,11 +19,14 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class S4RLayerBase(CacheLayerMixin):
+class CacheLayer(CacheLayerMixin):
     """What every s4r cache layer shares: lengths, bytes, and the attention hand-off."""
 
     is_sliding = False
     is_croppable = True
+    # whether plain attention over the keys `update` returns is this layer's own attention (all its keys,
+    # exact): only then may `s4r_attention` fall back to it when the hand-off misses
+    exact_fallback = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,23 +63,45 @@ class S4RLayerBase(CacheLayerMixin):
         """Forget every token at or past position `logical`."""
         raise NotImplementedError
 
+    # --- persistence (as mlx-lm's caches: `s4r.persist` writes whatever layers a cache holds) -----------
+    # the name a saved file gives this kind of layer
+    kind: ClassVar[str] = ""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors `from_state` rebuilds this layer from (parts the layer does not have are left out)."""
+        raise NotImplementedError
+
+    def meta_state(self) -> dict[str, Any]:
+        """The JSON-able settings and counts `from_state` needs besides the tensors."""
+        return {}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], meta: dict[str, Any], *, rope=None) -> CacheLayer:
+        """The layer `state()` and `meta_state()` describe (`rope`: the model's rotary embedding)."""
+        raise NotImplementedError
+
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop: a negative count removes that many tokens, a positive one is a length."""
         self.truncate(self.logical + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove)
 
 
-class FullLayer(S4RLayerBase):
-    """Uncompressed keys/values (post-RoPE), grown in amortized steps instead of a copy per token.
+class FullLayer(CacheLayer):
+    """Uncompressed keys/values (post-RoPE), grown in amortized steps instead of a copy per token: the
+    `full` method's layer, and the base of the prefill's `StagingLayer`."""
 
-    While `query_window` > 0 it also keeps the last queries, which S4R and SnapKV need at compression.
-    """
+    exact_fallback = True
 
-    def __init__(self, query_window: int = 0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
-        self.query_window = query_window
-        self.queries: torch.Tensor | None = None
+
+    @classmethod
+    def from_staged(cls, layer: FullLayer) -> FullLayer:
+        """The same keys and values as `layer` (its storage, not a copy), without its recorded queries."""
+        full = cls()
+        full._k, full._v, full.logical = layer._k, layer._v, layer.logical
+        return full
 
     @property
     def keys_view(self) -> torch.Tensor:
@@ -99,13 +126,10 @@ class FullLayer(S4RLayerBase):
         self._v[:, :, n : n + q] = value_states
         self.logical = n + q
         keys = self.keys_view
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.values_view
 
     def attend(self, query, key, value, scaling):
-        if self.query_window:
-            recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
-            self.queries = recent[:, :, -self.query_window :].clone()
         return causal_attention(query, key, value, scaling)
 
     def stored_length(self) -> int:
@@ -119,6 +143,62 @@ class FullLayer(S4RLayerBase):
 
     def truncate(self, logical: int) -> None:
         self.logical = max(0, min(self.logical, logical))
+
+    kind = "full"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {} if self._k is None else {"k": self.keys_view, "v": self.values_view}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> FullLayer:
+        layer = cls(**meta)
+        if "k" in state:
+            layer._k, layer._v, layer.logical = state["k"], state["v"], state["k"].shape[-2]
+        return layer
+
+
+class StagingLayer(FullLayer):
+    """The prefill's uncompressed layer, which a method then compresses.
+
+    While `query_window` > 0 it also keeps the last queries, which S4R and SnapKV need at compression.
+    """
+
+    def __init__(self, query_window: int = 0) -> None:
+        super().__init__()
+        self.query_window = query_window
+        self.queries: torch.Tensor | None = None
+
+    @property
+    def exact_fallback(self) -> bool:
+        """Plain attention is exact, but only this layer's own attention records the queries."""
+        return not self.query_window
+
+    def attend(self, query, key, value, scaling):
+        if self.query_window:
+            recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
+            self.queries = recent[:, :, -self.query_window :].clone()
+        return causal_attention(query, key, value, scaling)
+
+    def truncate(self, logical: int) -> None:
+        if self.queries is not None and logical < self.logical:
+            # the recorded queries are those of the last tokens: drop the forgotten tokens' ones
+            keep = self.queries.shape[2] - (self.logical - max(0, logical))
+            self.queries = self.queries[:, :, :keep].clone() if keep > 0 else None
+        super().truncate(logical)
+
+    kind = "staging"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return super().state() | ({} if self.queries is None else {"queries": self.queries})
+
+    def meta_state(self) -> dict[str, Any]:
+        return {"query_window": self.query_window}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> StagingLayer:
+        layer = super().from_state(state, meta)
+        layer.queries = state.get("queries")
+        return layer
 
 
 def to_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -135,7 +215,14 @@ def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
     return basis[0].view(heads, -1, basis.shape[-1])
 
 
+def project_queries(queries: torch.Tensor, basis_k: torch.Tensor) -> torch.Tensor:
+    """Query coefficients [H, rows, r_k] (fp32) of queries [H, rows, d] (the query heads of each KV head
+    as its rows) on the key basis [G, width, r_k]: each KV head's block of the basis."""
+    return torch.matmul(queries.float(), head_blocks(basis_k, queries.shape[0]).float())
+
+
 # the S4R layer lives in its own module; imported last because it builds on the classes above
 from .lowrank import LowRankLayer  # noqa: E402
 
-__all__ = ["FullLayer", "LowRankLayer", "S4RLayerBase", "head_blocks", "tensor_bytes", "to_groups"]
+__all__ = ["CacheLayer", "FullLayer", "LowRankLayer", "StagingLayer", "head_blocks", "project_queries",
+           "tensor_bytes", "to_groups"]

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .attention import drop_handoff, ensure_handoff_taken
+
 # architectures whose decoder is embed -> layers(hidden, position_embeddings, cache) -> norm -> lm_head,
 # with nothing else between them (no embedding scale, no logit soft-capping)
 LAYERWISE_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -79,8 +81,13 @@ def layerwise_prefill(model, cache, ids: torch.Tensor, start: int, block_size: i
             # per block: the rotary tables of a whole long document would be one more layer-sized tensor
             rotary = parts.rotary(block, pos)
             # in place: a block's input is needed only by that block (earlier tokens are in the cache)
-            hidden[:, begin:end] = layer(block, attention_mask=None, position_ids=pos, cache=cache,
-                                         use_cache=True, position_embeddings=rotary)
+            try:
+                hidden[:, begin:end] = layer(block, attention_mask=None, position_ids=pos, cache=cache,
+                                             use_cache=True, position_embeddings=rotary)
+            except BaseException:
+                drop_handoff()  # stopped between the cache update and its attention
+                raise
+            ensure_handoff_taken()  # this layer's attention went through s4r attention
         if on_layer_done is not None:
             on_layer_done(i)
         if progress is not None:
@@ -92,7 +99,7 @@ def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: in
                      compress: Callable[[], None] | None,
                      progress: Callable[[int, int], None] | None = None,
                      after_layer: Callable[[], None] | None = None) -> torch.Tensor:
-    """Layer-wise prefill of `ids` into an `S4RCache`, keeping at most one layer's full K/V.
+    """Layer-wise prefill of `ids` into an `CompressedCache`, keeping at most one layer's full K/V.
 
     With `compress` (a fresh cache), it runs once layer 0 holds the whole text: the method plans from
     the token count and calls `cache.compress(build)` as usual, which builds layer 0 and keeps `build`
@@ -110,8 +117,8 @@ def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: in
             compress()
         elif fresh:
             cache.release_layer(i)
-        elif hasattr(cache.layers[i], "compact"):
-            cache.layers[i].compact()
+        elif hasattr(cache.layers[i], "fold_buffer"):
+            cache.layers[i].fold_buffer()
         if after_layer is not None:
             after_layer()
         # the next layer's storage only once this one is compressed and freed

@@ -24,7 +24,7 @@ from .attention import causal_mask, handoff
 from .coef_bands import Encoded, decode_tails, encode_coefficients, plan_bands
 from .config import S4RConfig
 from .latent import gather_value_rows, gathered_logits, latent_logits, merged_attention
-from .layers import S4RLayerBase, head_blocks, tensor_bytes, to_groups
+from .layers import CacheLayer, head_blocks, project_queries, tensor_bytes, to_groups
 from .rope import RopeFn, apply_rope, undo_rope
 from .selection import decay_factor, latent_scores, pool_scores, select_tokens, update_relevance
 from .subspace import project, relative_residual
@@ -57,7 +57,7 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-class LowRankLayer(S4RLayerBase):
+class LowRankLayer(CacheLayer):
     """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
     the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
 
@@ -296,10 +296,10 @@ class LowRankLayer(S4RLayerBase):
         self._n_buf += q
         self.logical += q
         keys = self._ek[:, : end + q].unsqueeze(0)
-        handoff(self, keys)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self._ev[:, : end + q].unsqueeze(0)
 
-    def compact(self) -> None:
+    def fold_buffer(self) -> None:
         """Fold the buffer down to its cap (after a long appended document)."""
         excess = self._n_buf - self.cfg.buffer_tokens
         if excess > 0:
@@ -329,6 +329,8 @@ class LowRankLayer(S4RLayerBase):
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
         out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
                                head_blocks(self.basis_v, heads))
+        # a question longer than the buffer would hold the cache over its ratio until the next step
+        self.fold_buffer()
         return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
 
     # --- selection --------------------------------------------------------------------------------
@@ -340,8 +342,7 @@ class LowRankLayer(S4RLayerBase):
             n_rep = qf.shape[1] // q_len
             q = qf.view(self.heads, n_rep, q_len, -1)
             qf = undo_rope(q, cos, sin).reshape(qf.shape)
-        kb = head_blocks(self.basis_k, self.heads)
-        return torch.matmul(qf, kb.float())
+        return project_queries(qf, self.basis_k)
 
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
@@ -477,8 +478,20 @@ class LowRankLayer(S4RLayerBase):
         return self._out_cache[1]
 
     # --- truncation ---------------------------------------------------------------------------------
+    def _forget_queries(self, removed: int) -> None:
+        """Drop the scoring state of the last `removed` positions' queries (a forgotten turn)."""
+        if self.cfg.scoring == "summed":
+            if self.query_coef is not None:  # the window's rows are the last positions, in order
+                keep = self.query_coef.shape[1] - removed
+                self.query_coef = self.query_coef[:, :keep].clone() if keep > 0 else None
+        else:
+            # a relevance aggregate cannot be split by query: the next queries start it again
+            self.query_coef, self._rel = None, None
+
     def truncate(self, logical: int) -> None:
         logical = max(self.sinks, min(self.logical, logical))
+        if logical < self.logical:
+            self._forget_queries(self.logical - logical)
         keep_buf = max(0, logical - self.sinks - self._n)
         keep_coef = min(self._n, logical - self.sinks)
         out_k, out_v = self.out_k, self.out_v
@@ -504,3 +517,22 @@ class LowRankLayer(S4RLayerBase):
                 self._tsk, self._tsv = self._tsk[:, :keep_coef].clone(), self._tsv[:, :keep_coef].clone()
             self._n = keep_coef
         self.logical = logical
+
+    # --- persistence --------------------------------------------------------------------------------
+    kind = "lowrank"
+    _STATE = ("sink_k", "sink_v", "basis_k", "basis_v", "coef_k", "coef_v", "scale_k", "scale_v",
+              "query_coef", "out_idx", "out_k", "out_v", "relevance", "tail_k", "tail_v", "tail_step_k",
+              "tail_step_v", "buf_k", "buf_v")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
+
+    def meta_state(self) -> dict:
+        return {"config": self.cfg.to_dict()}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> LowRankLayer:
+        parts = {key: state.get(key) for key in cls._STATE if key not in ("buf_k", "buf_v")}
+        layer = cls(cfg=S4RConfig(**meta["config"]), rope=rope, **parts)
+        layer.set_buffer(state["buf_k"], state["buf_v"])
+        return layer

@@ -1,4 +1,9 @@
-"""Save and load a compressed cache: safetensors for the tensors, JSON metadata with a checksum."""
+"""Save and load a cache: safetensors for the tensors, a JSON header, one checksum over both.
+
+Each layer saves itself (`state` / `meta_state` / `from_state`, as mlx-lm's caches do), so a cache of
+any method's layers can be written; the file names each layer's kind. The checksum covers the tensors
+and the header (settings, lengths, metadata), so a changed byte anywhere is refused.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +18,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .cache import S4RCache
-from .config import S4RConfig
+from .cache import CompressedCache
 from .errors import CacheFileError
-from .layers import FullLayer, LowRankLayer
+from .eviction import EvictedLayer
+from .layers import CacheLayer, FullLayer, LowRankLayer, StagingLayer
+from .quant_layer import QuantLayer
 from .rope import RopeFn
 
-FORMAT = "s4r-cache/1"
-_LOWRANK_KEYS = ("sink_k", "sink_v", "basis_k", "basis_v", "coef_k", "coef_v", "scale_k", "scale_v",
-                 "query_coef", "buf_k", "buf_v", "out_idx", "out_k", "out_v", "relevance",
-                 "tail_k", "tail_v", "tail_step_k", "tail_step_v")
+FORMAT = "s4r-cache/2"
+# every kind of layer a file may hold, by the name it is saved under
+LAYER_KINDS: dict[str, type[CacheLayer]] = {
+    cls.kind: cls for cls in (FullLayer, StagingLayer, LowRankLayer, EvictedLayer, QuantLayer)}
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
+def _checksum(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> str:
+    """SHA-256 of the header (without its checksum) and of every tensor's name, dtype, shape and bytes."""
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for name in sorted(tensors):
         digest.update(name.encode())
         t = tensors[name].contiguous()
@@ -35,28 +42,18 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_cache(path: str | Path, cache: S4RCache, meta: dict[str, Any]) -> None:
+def save_cache(path: str | Path, cache: CompressedCache, meta: dict[str, Any]) -> None:
     """Write `cache` and `meta` to `path` atomically (a crash never leaves a half-written file)."""
     tensors: dict[str, torch.Tensor] = {}
-    kinds, configs = [], []
+    layers = []
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, LowRankLayer):
-            kinds.append("lowrank")
-            configs.append(layer.cfg.to_dict())
-            for key in _LOWRANK_KEYS:
-                value = getattr(layer, key)
-                if value is not None:
-                    tensors[f"{i}.{key}"] = value.detach().to("cpu").contiguous()
-        elif isinstance(layer, FullLayer):
-            kinds.append("full")
-            configs.append(None)
-            tensors[f"{i}.k"] = layer.keys_view.detach().to("cpu").contiguous()
-            tensors[f"{i}.v"] = layer.values_view.detach().to("cpu").contiguous()
-        else:
+        if LAYER_KINDS.get(layer.kind) is not type(layer):
             raise CacheFileError(f"cannot save a cache layer of type {type(layer).__name__}")
-    header = {"format": FORMAT, "meta": meta, "layers": kinds, "configs": configs,
-              "logical": [layer.get_seq_length() for layer in cache.layers],
-              "checksum": _checksum(tensors)}
+        layers.append({"kind": layer.kind, "meta": layer.meta_state(), "logical": layer.get_seq_length()})
+        for key, value in layer.state().items():
+            tensors[f"{i}.{key}"] = value.detach().to("cpu").contiguous()
+    header = {"format": FORMAT, "meta": meta, "layers": layers}
+    header["checksum"] = _checksum(tensors, header)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".s4r-", suffix=".tmp", dir=path.parent)
@@ -70,7 +67,7 @@ def save_cache(path: str | Path, cache: S4RCache, meta: dict[str, Any]) -> None:
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
-    """The metadata of a saved cache, without loading its tensors."""
+    """The header of a saved cache, without loading its tensors (not verified: `load_cache` does)."""
     path = Path(path)
     if not path.is_file():
         raise CacheFileError(f"saved cache not found: {path}")
@@ -79,12 +76,13 @@ def read_header(path: str | Path) -> dict[str, Any]:
             header = json.loads((f.metadata() or {})["s4r"])
     except Exception as exc:  # noqa: BLE001 - any parse failure means the file is not a valid cache
         raise CacheFileError(f"not a valid s4r cache file: {path} ({type(exc).__name__})") from None
-    if header.get("format") != FORMAT:
-        raise CacheFileError(f"unsupported cache format in {path}: {header.get('format')!r}")
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        found = header.get("format") if isinstance(header, dict) else None
+        raise CacheFileError(f"unsupported cache format in {path}: {found!r}")
     return header
 
 
-def load_cache(path: str | Path, cache: S4RCache, rope: RopeFn | None,
+def load_cache(path: str | Path, cache: CompressedCache, rope: RopeFn | None,
                device: torch.device) -> dict[str, Any]:
     """Fill the (fresh) `cache` from `path`; returns the saved metadata. Verifies the checksum."""
     header = read_header(path)
@@ -93,25 +91,16 @@ def load_cache(path: str | Path, cache: S4RCache, rope: RopeFn | None,
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open API
     except Exception as exc:  # noqa: BLE001
         raise CacheFileError(f"corrupt s4r cache file: {path} ({type(exc).__name__})") from None
-    if _checksum(tensors) != header.get("checksum"):
+    checksum = header.pop("checksum", None)
+    if _checksum(tensors, header) != checksum:
         raise CacheFileError(f"corrupt s4r cache file: {path} (checksum mismatch)")
     if len(header["layers"]) != len(cache.layers):
         raise CacheFileError(f"saved cache has {len(header['layers'])} layers, the model {len(cache.layers)}")
-    rows = zip(header["layers"], header["configs"], header["logical"], strict=True)
-    for i, (kind, cfg, logical) in enumerate(rows):
-
-        def get(key: str, i: int = i) -> torch.Tensor | None:
-            name = f"{i}.{key}"
-            return tensors[name].to(device) if name in tensors else None
-
-        if kind == "full":
-            layer = FullLayer()
-            layer.update(get("k"), get("v"))
-        else:
-            layer = LowRankLayer(cfg=S4RConfig(**cfg), **{k: get(k) for k in _LOWRANK_KEYS if k not in
-                                                         ("buf_k", "buf_v")}, rope=rope)
-            layer.set_buffer(get("buf_k"), get("buf_v"))
-        if layer.get_seq_length() != logical:
+    for i, saved in enumerate(header["layers"]):
+        prefix = f"{i}."
+        state = {name[len(prefix):]: t.to(device) for name, t in tensors.items() if name.startswith(prefix)}
+        layer = LAYER_KINDS[saved["kind"]].from_state(state, saved["meta"], rope=rope)
+        if layer.get_seq_length() != saved["logical"]:
             raise CacheFileError(f"corrupt s4r cache file: {path} (layer {i} length mismatch)")
         cache.layers[i] = layer
     return header["meta"]

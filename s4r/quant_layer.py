@@ -8,10 +8,12 @@ and is otherwise exact.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .attention import causal_attention, handoff
-from .layers import S4RLayerBase, tensor_bytes
+from .layers import CacheLayer, tensor_bytes
 from .quantize import Quantized, dequantize_groups, quantize_groups
 
 
@@ -22,7 +24,7 @@ def _cat(a: Quantized | None, b: Quantized) -> Quantized:
                      torch.cat([a.zero, b.zero], dim=1), b.bits)
 
 
-class QuantLayer(S4RLayerBase):
+class QuantLayer(CacheLayer):
     """Quantized keys/values of the oldest tokens (a multiple of `key_group`), then full-precision ones."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, *, bits: int, key_group: int,
@@ -74,20 +76,28 @@ class QuantLayer(S4RLayerBase):
     def update(self, key_states, value_states, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise ValueError("a compressed s4r cache holds one sequence (batch size 1)")
-        excess = self.res_k.shape[1] + key_states.shape[-2] - self.reserve
+        self.fold_buffer(incoming=key_states.shape[-2])
+        self._append(key_states[0], value_states[0])
+        keys = self.res_k.unsqueeze(0)
+        handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
+        return keys, self.res_v.unsqueeze(0)
+
+    def fold_buffer(self, incoming: int = 0) -> None:
+        """Quantize the whole key groups of the residual that leave less than `reserve` tokens for it
+        (counting `incoming` tokens about to be appended)."""
+        excess = self.res_k.shape[1] + incoming - self.reserve
         if excess > 0:
             g = self.key_group
             self._fold(min(-(-excess // g) * g, self.res_k.shape[1] // g * g))
-        self._append(key_states[0], value_states[0])
-        keys = self.res_k.unsqueeze(0)
-        handoff(self, keys)
-        return keys, self.res_v.unsqueeze(0)
 
     def attend(self, query, key, value, scaling):
         old_k, old_v = self.dequantized()
         keys = torch.cat([old_k, self.res_k], dim=1).unsqueeze(0)
         values = torch.cat([old_v, self.res_v], dim=1).unsqueeze(0)
-        return causal_attention(query, keys, values, scaling)
+        out = causal_attention(query, keys, values, scaling)
+        # a question longer than the reserve would hold the cache over its ratio until the next step
+        self.fold_buffer()
+        return out
 
     def truncate(self, logical: int) -> None:
         logical = max(0, min(self.logical, logical))
@@ -102,8 +112,9 @@ class QuantLayer(S4RLayerBase):
                 self._requantize(old_k[:, :start], old_v[:, :start])
             self.logical = logical
             return
-        self.res_k = self.res_k[:, : logical - self.quantized]
-        self.res_v = self.res_v[:, : logical - self.quantized]
+        # a copy: a view would keep the forgotten tokens' storage alive
+        self.res_k = self.res_k[:, : logical - self.quantized].clone()
+        self.res_v = self.res_v[:, : logical - self.quantized].clone()
         self.logical = logical
 
     def _requantize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -111,3 +122,30 @@ class QuantLayer(S4RLayerBase):
         self.q_k = quantize_groups(keys, self.bits, self.key_group, dim=-2)
         self.q_v = quantize_groups(values, self.bits, self.value_group, dim=-1)
         self.quantized = keys.shape[1]
+
+    # --- persistence --------------------------------------------------------------------------------
+    kind = "quant"
+    _PARTS = ("packed", "scale", "zero")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {"res_k": self.res_k, "res_v": self.res_v}
+        for name, q in (("k", self.q_k), ("v", self.q_v)):
+            if q is not None:
+                tensors.update({f"{name}.{part}": getattr(q, part) for part in self._PARTS})
+        return tensors
+
+    def meta_state(self) -> dict[str, Any]:
+        return {"bits": self.bits, "key_group": self.key_group, "value_group": self.value_group,
+                "reserve": self.reserve, "quantized": self.quantized, "logical": self.logical}
+
+    @classmethod
+    def from_state(cls, state, meta, *, rope=None) -> QuantLayer:
+        res_k, res_v = state["res_k"], state["res_v"]
+        layer = cls(res_k[:, :0], res_v[:, :0], bits=meta["bits"], key_group=meta["key_group"],
+                    value_group=meta["value_group"], reserve=meta["reserve"])
+        layer.res_k, layer.res_v = res_k, res_v
+        if "k.packed" in state:
+            layer.q_k, layer.q_v = (Quantized(*(state[f"{name}.{part}"] for part in cls._PARTS), meta["bits"])
+                                    for name in ("k", "v"))
+        layer.quantized, layer.logical = meta["quantized"], meta["logical"]
+        return layer

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,9 @@ import torch
 
 from .attention import install
 from .budget import KVShape
-from .cache import S4RCache
+from .cache import CompressedCache
 from .chat_format import chat_segments
-from .errors import BudgetError, CacheFileError, ContextTooLongError, S4RError
+from .errors import BudgetError, ContextTooLongError, S4RError
 from .generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
 from .layerwise import LAYERWISE_BLOCK, decoder_parts, ingest_layerwise
 from .memory import (
@@ -27,9 +26,11 @@ from .memory import (
     release_freed_memory,
 )
 from .methods import METHODS, CompressContext, FullMethod, make_method
-from .persist import load_cache, read_header, save_cache
 from .ratio_limits import method_max_ratio
 from .rope import model_rope_fn
+from .session_files import restore_session, save_session, saved_meta, session_kwargs
+from .tokens import stop_token_ids, truncate_ids
+from .turn_stats import IngestStats, TurnStats
 
 __all__ = ["INGEST_MODES", "METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
 
@@ -40,74 +41,6 @@ INGEST_MODES: tuple[str, ...] = ("layerwise", "chunked")
 # tokens kept free after the documents for the question and the start of an answer
 ANSWER_HEADROOM = 512
 STAGING_QUERY_WINDOW = 64
-
-
-@dataclass(frozen=True)
-class IngestStats:
-    """Timing of one ingest: prefill (model forward) and compression.
-
-    `mode` is how it ran ("layerwise" or "chunked"; a layer-wise ingest compresses during the prefill,
-    so its compression time is counted in `prefill_seconds`). `peak_mem_bytes` is the process's
-    measured peak after it (see `s4r.memory.peak_memory_bytes`), not the cache's bytes.
-    """
-
-    tokens: int
-    seconds: float
-    prefill_seconds: float
-    compress_seconds: float
-    mode: str = "chunked"
-    peak_mem_bytes: int = 0
-    # document tokens --truncate left out (0 when the document fitted)
-    dropped_tokens: int = 0
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class TurnStats:
-    """Figures of one question/answer turn. `peak_mem_bytes` is the process's measured peak (RSS on CPU,
-    CUDA allocated on GPU; see `s4r.memory.peak_memory_bytes`), weights included, not the cache's bytes
-    (those are in `memory`)."""
-
-    prompt_tokens: int
-    generated_tokens: int
-    ttft_s: float
-    prefill_tok_s: float
-    decode_tok_s: float
-    peak_mem_bytes: int
-    memory: MemoryReport
-    interrupted: bool = False
-    # why the answer ended: "end" (the model finished), "max_new_tokens", "context" (the context is
-    # full), "loop" (the answer repeated itself) or "interrupted"
-    stop_reason: str = "end"
-
-
-def truncate_ids(ids: list[int], limit: int, how: str) -> list[int]:
-    """Keep at most `limit` token ids: the head, the tail, or both ends around a dropped middle."""
-    if len(ids) <= limit:
-        return ids
-    if how == "head":
-        return ids[:limit]
-    if how == "tail":
-        return ids[len(ids) - limit :]
-    if how == "middle":
-        first = limit // 2
-        return ids[:first] + ids[len(ids) - (limit - first) :]
-    raise ValueError(f"unknown truncation '{how}' (head, tail or middle)")
-
-
-def model_fingerprint(model) -> str:
-    """Identity of a model's shape and weights (a sample of them), to refuse foreign saved caches."""
-    digest = hashlib.sha256()
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size"):
-        digest.update(f"{key}={getattr(cfg, key, None)};".encode())
-    emb = model.get_input_embeddings().weight
-    digest.update(emb.detach()[:8].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 class Session:
@@ -145,11 +78,12 @@ class Session:
         except ValueError as exc:
             raise BudgetError(str(exc)) from None
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else next(self.model.parameters()).dtype
+        self.dtype = dtype
         self.shape = KVShape.from_config(self.model.config, torch.empty(0, dtype=dtype).element_size())
         self.segments = chat_segments(self.tokenizer, system)
         self.rope = model_rope_fn(self.model)
         install(self.model)
-        self.cache: S4RCache | None = None
+        self.cache: CompressedCache | None = None
         self.compress_info: dict[str, Any] = {}
         # why the cache was kept uncompressed although a compressing method was asked for (else None)
         self.uncompressed_reason: str | None = None
@@ -157,28 +91,12 @@ class Session:
         self.documents: list[str] = []
         self._state = "empty"  # empty | open (inside a user message) | closed (after an answer)
         self._doc_checkpoint: tuple[int, str] | None = None
-        self._stop_ids = self._stop_token_ids()
+        self._stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.compress_seconds = 0.0
         self.last_ingest: IngestStats | None = None
         self._staged_ids: list[int] | None = None
 
     # --- helpers ----------------------------------------------------------------------------------
-    def _stop_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.tokenizer, "eos_token_id", None),
-                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(int(i) for i in source)
-        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<end_of_turn>"):
-            convert = getattr(self.tokenizer, "convert_tokens_to_ids", None)
-            tid = convert(token) if convert is not None else None
-            unk = getattr(self.tokenizer, "unk_token_id", None)
-            if isinstance(tid, int) and tid != unk and tid >= 0:
-                ids.add(tid)
-        return ids
-
     def _turn_prefix(self) -> str:
         """Text that opens new user content in the current conversation state."""
         seg = self.segments
@@ -187,10 +105,10 @@ class Session:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _new_cache(self) -> S4RCache:
+    def _new_cache(self) -> CompressedCache:
         # keep enough recent queries for any method a staged session may be forked into
         window = max(self._method.query_window, STAGING_QUERY_WINDOW)
-        return S4RCache(self.shape.layers, self.shape, query_window=window)
+        return CompressedCache(self.shape.layers, self.shape, query_window=window)
 
     @property
     def logical_length(self) -> int:
@@ -291,15 +209,18 @@ class Session:
                 self.cache = None
                 raise
         elif not fresh:
-            self.cache.compact()
+            self.cache.fold_buffer()
         t2 = time.perf_counter()
         # the freed staging buffers go back to the OS instead of staying in the process's heap
         release_freed_memory(self.device)
         return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1, mode, peak_memory_bytes(self.device))
 
-    def _compress_context(self) -> CompressContext:
-        return CompressContext(rope=self.rope, ratio=self.ratio_requested, model=self.model,
-                               tokenizer=self.tokenizer, ids=self._staged_ids)
+    def _run_method(self) -> None:
+        """Compress the staged cache with this session's method; what it chose goes to `compress_info`."""
+        ctx = CompressContext(rope=self.rope, ratio=self.ratio_requested, model=self.model,
+                              tokenizer=self.tokenizer, ids=self._staged_ids)
+        with torch.inference_mode():
+            self.compress_info = self._method.compress(self.cache, ctx)
 
     def _layerwise(self, ids: torch.Tensor, start: int, fresh: bool,
                    progress: Callable[[int, int], None] | None) -> None:
@@ -318,8 +239,7 @@ class Session:
         (a short document) keeps the cache uncompressed instead: method `full`, and
         `uncompressed_reason` says why. Without it (benchmark forks) the BudgetError propagates."""
         try:
-            with torch.inference_mode():
-                self.compress_info = self._method.compress(self.cache, self._compress_context())
+            self._run_method()
         except BudgetError:
             if not fallback:
                 raise
@@ -328,13 +248,13 @@ class Session:
             self.uncompressed_reason = (f"{tokens:,} tokens are too few for {self.method} to reach ratio "
                                         f"{self.ratio_requested:g} (at most ×{best:.2f} at this length)")
             self.method, self._method = "full", FullMethod()
-            self.compress_info = self._method.compress(self.cache, CompressContext(rope=self.rope, ratio=1.0))
+            self._run_method()
             self.compress_info["note"] = self.uncompressed_reason
 
     def fork(self, *, method: str, ratio: float, config_overrides: dict[str, Any] | None = None) -> Session:
         """A new session over a copy of this one's staged (uncompressed) documents, compressed with
         `method`. Its `compress_seconds` tells how long the compression alone took."""
-        if self.cache is None or self.cache.is_compressed():
+        if self.cache is None or not self.cache.is_staged():
             raise S4RError("fork needs a session whose documents were ingested with compress=False")
         other = Session(self.loaded, method=method, ratio=ratio, system=self.system, truncate=self.truncate,
                         config_overrides=config_overrides, chunk_size=self.chunk_size)
@@ -442,21 +362,10 @@ class Session:
             stop_reason=stop_reason)
         return text, stats
 
-    # --- persistence ------------------------------------------------------------------------------
-    def _identity(self) -> dict[str, Any]:
-        return {"model": str(self.loaded.name), "fingerprint": model_fingerprint(self.model),
-                "method": self.method, "ratio": self.ratio_requested if self.method != "full" else None,
-                "overrides": self.config_overrides or {}, "dtype": str(self.shape.dtype_bytes)}
-
+    # --- persistence (s4r.session_files) ----------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Save the compressed cache and what is needed to continue the conversation."""
-        if self.cache is None:
-            raise CacheFileError("nothing to save yet: ingest a document first")
-        meta = {"identity": self._identity(), "system": self.system, "state": self._state,
-                "document_tokens": self.document_tokens, "documents": self.documents,
-                "doc_checkpoint": list(self._doc_checkpoint) if self._doc_checkpoint else None,
-                "compress_info": self.compress_info, "tokens": self.logical_length}
-        save_cache(path, self.cache, meta)
+        save_session(self, path)
 
     @classmethod
     def load(cls, path: str | Path, loaded, **kwargs: Any) -> Session:
@@ -464,29 +373,7 @@ class Session:
 
         Method, ratio and settings default to the saved ones; any given explicitly must match them.
         """
-        header = read_header(path)
-        meta = header.get("meta", {})
-        identity = meta.get("identity", {})
-        kwargs.setdefault("system", meta.get("system"))
-        kwargs.setdefault("method", identity.get("method", "s4r"))
-        if identity.get("ratio") is not None:
-            kwargs.setdefault("ratio", identity["ratio"])
-        kwargs.setdefault("config_overrides", identity.get("overrides") or None)
-        session = cls(loaded, **kwargs)
-        saved, ours = meta.get("identity", {}), session._identity()
-        for key, label, shown in (("fingerprint", "model", "model"), ("method", "method", "method"),
-                                  ("ratio", "ratio", "ratio"), ("overrides", "settings", "overrides"),
-                                  ("dtype", "dtype bytes", "dtype")):
-            if saved.get(key) != ours.get(key):
-                raise CacheFileError(f"saved cache {path} was made with {label} {saved.get(shown)!r}, "
-                                     f"this session uses {ours.get(shown)!r}")
-        cache = session._new_cache()
-        load_cache(path, cache, session.rope, session.device)
-        session.cache = cache
-        session._state = meta.get("state", "open")
-        session.document_tokens = int(meta.get("document_tokens", 0))
-        session.documents = list(meta.get("documents", []))
-        cp = meta.get("doc_checkpoint")
-        session._doc_checkpoint = (int(cp[0]), str(cp[1])) if cp else None
-        session.compress_info = meta.get("compress_info", {})
+        meta = saved_meta(path)
+        session = cls(loaded, **session_kwargs(meta, kwargs))
+        restore_session(session, path, meta)
         return session

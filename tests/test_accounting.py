@@ -7,7 +7,7 @@ import torch
 
 from s4r.attention import install
 from s4r.budget import KVShape, solve_ranks
-from s4r.cache import S4RCache
+from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
 from s4r.errors import BudgetError
 from s4r.generation import forward_tokens, prefill, sample_token
@@ -51,7 +51,7 @@ def staged_doc(model):
 def test_ratio_holds_after_prefill_and_500_tokens(model, staged_doc, ratio, storage):
     method = make_method("s4r", ratio, storage)
     shape = KVShape.from_config(model.config, 4)
-    cache = S4RCache(shape.layers, shape, query_window=method.query_window)
+    cache = CompressedCache(shape.layers, shape, query_window=method.query_window)
     with torch.inference_mode():
         logits = prefill(model, cache, staged_doc, 0, chunk_size=512)
         method.compress(cache, CompressContext(model_rope_fn(model), ratio))
@@ -70,7 +70,7 @@ def test_ratio_holds_after_prefill_and_500_tokens(model, staged_doc, ratio, stor
 def test_full_cache_reports_ratio_one(model, staged_doc):
     method = make_method("full", 1.0)
     shape = KVShape.from_config(model.config, 4)
-    cache = S4RCache(shape.layers, shape, query_window=method.query_window)
+    cache = CompressedCache(shape.layers, shape, query_window=method.query_window)
     with torch.inference_mode():
         prefill(model, cache, staged_doc[:1000], 0, chunk_size=256)
     method.compress(cache, CompressContext(None, 1.0))

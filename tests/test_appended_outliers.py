@@ -8,7 +8,8 @@ from s4r.compress import compress_layer
 from s4r.config import S4RConfig
 
 
-def _in_subspace(basis: torch.Tensor, heads: int, tokens: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+def _in_subspace(basis: torch.Tensor, heads: int, tokens: int, dim: int,
+                 gen: torch.Generator) -> torch.Tensor:
     """[heads, tokens, dim] vectors whose concatenated heads lie in `basis`'s span."""
     flat = torch.randn(tokens, basis.shape[1], generator=gen) @ basis.T
     return flat.view(tokens, heads, dim).transpose(0, 1).contiguous()
@@ -29,7 +30,7 @@ def test_a_rare_token_in_an_appended_document_stays_exact():
     new_k[:, needle] = torch.randn(heads, dim, generator=gen) * 3
     new_v[:, needle] = torch.randn(heads, dim, generator=gen) * 3
     layer.update(new_k.unsqueeze(0), new_v.unsqueeze(0))
-    layer.compact()  # what an appended document's ingest does once the layer holds it
+    layer.fold_buffer()  # what an appended document's ingest does once the layer holds it
     at = stored_before + needle  # the needle's index among the stored coefficients
     assert at in layer.out_idx.tolist()
     slot = layer.out_idx.tolist().index(at)

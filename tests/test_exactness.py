@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from s4r.attention import install
 from s4r.budget import KVShape
-from s4r.cache import S4RCache
+from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
 from s4r.generation import forward_tokens, prefill
 from s4r.methods import CompressContext, S4RMethod
@@ -28,10 +28,10 @@ def exact_config(model, key_space: str, granularity: str) -> S4RConfig:
                      coef_dtype="model", outlier_fraction=0.05)
 
 
-def compressed_cache(model, ids: torch.Tensor, cfg: S4RConfig) -> S4RCache:
+def compressed_cache(model, ids: torch.Tensor, cfg: S4RConfig) -> CompressedCache:
     install(model)
     shape = KVShape.from_config(model.config, 4)
-    cache = S4RCache(shape.layers, shape, query_window=cfg.query_window)
+    cache = CompressedCache(shape.layers, shape, query_window=cfg.query_window)
     with torch.inference_mode():
         prefill(model, cache, ids, 0, chunk_size=96)
         S4RMethod(cfg).compress(cache, CompressContext(model_rope_fn(model), 1.0))

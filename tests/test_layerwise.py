@@ -9,11 +9,11 @@ import torch
 
 from s4r.attention import install
 from s4r.budget import KVShape
-from s4r.cache import S4RCache
+from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
 from s4r.errors import S4RError
 from s4r.generation import prefill
-from s4r.layers import FullLayer
+from s4r.layers import StagingLayer
 from s4r.layerwise import decoder_parts, layerwise_prefill
 from s4r.methods.offline import calibrate, clear_calibrations
 from s4r.session import Session
@@ -39,7 +39,7 @@ def test_logits_and_cache_match_chunked_prefill(arch):
     install(model)
     shape = KVShape.from_config(model.config, 4)
     ids = torch.randint(0, model.config.vocab_size, (700,), generator=torch.Generator().manual_seed(3))
-    chunked, layered = (S4RCache(shape.layers, shape, query_window=16) for _ in range(2))
+    chunked, layered = (CompressedCache(shape.layers, shape, query_window=16) for _ in range(2))
     done: list[int] = []
     with torch.inference_mode():
         # a first part then an appended one, as a document and a /read after it
@@ -79,7 +79,7 @@ def test_cache_never_holds_more_than_one_full_layer():
     session = Session(loaded, method="s4r", ratio=4.0, chunk_size=128)
     seen: list[int] = []
     session.ingest(TEXT * 2, progress=lambda done, total: seen.append(session.cache.nbytes()))
-    staged = [layer for layer in session.cache.layers if type(layer) is FullLayer]
+    staged = [layer for layer in session.cache.layers if type(layer) is StagingLayer]
     assert not staged
     compressed = session.memory().stored_bytes
     one_layer = session.shape.full_bytes(session.logical_length) // session.shape.layers

@@ -15,12 +15,12 @@ from transformers import DynamicCache
 import s4r.compress
 from s4r.attention import install
 from s4r.budget import KVShape
-from s4r.cache import S4RCache
+from s4r.cache import CompressedCache
 from s4r.compress import fit_layer_bases
 from s4r.errors import BudgetError, S4RError
 from s4r.eviction import EvictedLayer, eviction_budget
 from s4r.generation import forward_tokens, prefill
-from s4r.layers import FullLayer
+from s4r.layers import StagingLayer
 from s4r.methods import METHODS, CompressContext, OfflineMethod, make_method
 from s4r.methods.offline import clear_calibrations, registered_calibration
 from s4r.methods.snapkv import snapkv_indices
@@ -57,17 +57,17 @@ def random_ids(n: int, seed: int, vocab: int = 128) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def staged(model, ids: torch.Tensor, query_window: int = 64) -> S4RCache:
+def staged(model, ids: torch.Tensor, query_window: int = 64) -> CompressedCache:
     """An uncompressed cache of `ids`, keeping the last queries as a Session's staging cache does."""
     shape = KVShape.from_config(model.config, BYTES)
-    cache = S4RCache(shape.layers, shape, query_window=query_window)
+    cache = CompressedCache(shape.layers, shape, query_window=query_window)
     with torch.inference_mode():
         prefill(model, cache, ids, 0, chunk_size=256)
     cache.prompt_ids = ids.tolist()  # what kvzip re-reads (a Session passes its own)
     return cache
 
 
-def compressed(model, source: S4RCache, method, ratio: float) -> tuple[S4RCache, dict]:
+def compressed(model, source: CompressedCache, method, ratio: float) -> tuple[CompressedCache, dict]:
     cache = source.copy_staged()
     ctx = CompressContext(model_rope_fn(model), ratio, model=model, tokenizer=CharTokenizer(),
                           ids=getattr(source, "prompt_ids", None))
@@ -115,7 +115,7 @@ def test_streaming_keeps_exactly_sinks_and_recent_tokens():
     assert cache.logical_length() == tokens
 
 
-def planted_cache(tokens: int, planted: dict[int, int], seed: int = 5) -> S4RCache:
+def planted_cache(tokens: int, planted: dict[int, int], seed: int = 5) -> CompressedCache:
     """A one-layer staged cache of random keys in which KV head h's key at planted[h] lines up with the
     observation window's queries of that head's query group."""
     gen = torch.Generator().manual_seed(seed)
@@ -129,7 +129,7 @@ def planted_cache(tokens: int, planted: dict[int, int], seed: int = 5) -> S4RCac
                                                                                         generator=gen)
     for h, pos in planted.items():
         keys[h, pos] = 10 * direction[h]
-    cache = S4RCache(1, shape, query_window=window)
+    cache = CompressedCache(1, shape, query_window=window)
     layer = cache.layers[0]
     layer.update(keys[None], values[None])
     layer.queries = queries[None]
@@ -337,4 +337,4 @@ def test_session_forks_every_baseline_from_one_prefill():
         _, stats = fork.ask("Who jumps?", max_new_tokens=5)
         assert stats.memory.ratio >= 2.0, name
     # the staged prefill is untouched by the forks
-    assert all(type(layer) is FullLayer for layer in base.cache.layers)
+    assert all(type(layer) is StagingLayer for layer in base.cache.layers)

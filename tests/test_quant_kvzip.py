@@ -118,10 +118,10 @@ def test_scoring_forward_matches_a_plain_forward_and_leaves_the_cache_alone():
     assert len(scores) == len(source.layers) and scores[0].shape == (2, 300)
     assert float(scores[0].min()) >= 0.0 and float(scores[0].max()) <= 1.0
     # the same forward through a scoring cache, checked via its last-token logits
-    from s4r.cache import S4RCache
+    from s4r.cache import CompressedCache
     from s4r.kvzip_scoring import ScoringLayer
 
-    scoring = S4RCache(len(source.layers), source.shape, query_window=0)
+    scoring = CompressedCache(len(source.layers), source.shape, query_window=0)
     scoring.layers = [ScoringLayer(layer.keys_view[0], layer.values_view[0]) for layer in source.layers]
     with torch.inference_mode():
         got = forward_tokens(model, scoring, chunk[None], 300)

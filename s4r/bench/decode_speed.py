@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from s4r.attention import handoff_plain, install
 from s4r.budget import KVShape
-from s4r.cache import S4RCache
+from s4r.cache import CompressedCache
 from s4r.generation import prefill
 from s4r.methods import CompressContext, make_method
 from s4r.rope import model_rope_fn
@@ -72,17 +72,17 @@ class SpeedRow:
     steps: int
 
 
-def staged_cache(model, ids: list[int], chunk_size: int = 512) -> S4RCache:
+def staged_cache(model, ids: list[int], chunk_size: int = 512) -> CompressedCache:
     """The uncompressed cache of `ids` (with the last queries every method may need)."""
     install(model)  # s4r attention: the staging layers record the last queries
     param = next(model.parameters())
     shape = KVShape.from_config(model.config, param.element_size())
-    cache = S4RCache(shape.layers, shape, query_window=64)
+    cache = CompressedCache(shape.layers, shape, query_window=64)
     prefill(model, cache, torch.tensor(ids, device=param.device), 0, chunk_size)
     return cache
 
 
-def plain_fork(model, staged: S4RCache) -> PlainTransformersCache:
+def plain_fork(model, staged: CompressedCache) -> PlainTransformersCache:
     """A `PlainTransformersCache` holding a copy of the staged keys and values."""
     cache = PlainTransformersCache(config=model.config)
     for i, layer in enumerate(staged.layers):
@@ -90,7 +90,7 @@ def plain_fork(model, staged: S4RCache) -> PlainTransformersCache:
     return cache
 
 
-def make_forks(model, staged: S4RCache, combos: list[tuple[str, float]]) -> list[Fork]:
+def make_forks(model, staged: CompressedCache, combos: list[tuple[str, float]]) -> list[Fork]:
     """`full`, each (method, ratio) and the plain transformers reference, each from a copy of `staged`."""
     device = next(model.parameters()).device
     rope = model_rope_fn(model)
@@ -128,7 +128,7 @@ def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: 
         timings = teacher_force(forks, ids[length:], warmup=warmup)
         base = timings[0].median_ms
         for fork, timing in zip(forks, timings, strict=True):
-            achieved = fork.cache.ratio() if isinstance(fork.cache, S4RCache) else 1.0
+            achieved = fork.cache.ratio() if isinstance(fork.cache, CompressedCache) else 1.0
             rows.append(SpeedRow(length, fork.name, achieved, timing.median_ms, base / timing.median_ms,
                                  timing.steps))
             log(f"  {fork.name:14s} {timing.median_ms:8.1f} ms/token  {base / timing.median_ms:5.2f}x full")

@@ -1,49 +1,59 @@
-"""The KV-cache methods, one file each, behind one registry: a new method is one file + one line here."""
+"""The KV-cache methods, one file each, behind one registry: a new method is one file + one line here.
+
+`REGISTRY` maps a method's name to its builder `(ratio, overrides) -> method`; the CLI help, the
+benchmark and the tests read it. Overrides: see `s4r.methods.base` (each method takes the keys that
+name its own settings; a key no registered method has is refused).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from ..config import S4RConfig
-from . import kvzip, quant
-from .base import CompressContext, Method
+from .base import CompressContext, Method, settings_of
 from .full import FullMethod
 from .kvzip import KVzipMethod
 from .offline import OfflineMethod
 from .quant import QuantMethod
-from .s4r import S4RMethod
+from .s4r import S4RMethod, S4RPaperMethod
 from .snapkv import SnapKVMethod
 from .streaming import StreamingMethod
-from .svd import svd_method
+from .svd import SVDMethod
 
 Builder = Callable[[float, "dict[str, Any] | None"], Method]
 
-# name -> builder(ratio, overrides); the baselines read the settings they share with S4R (sinks,
-# buffer_tokens as the evicting/quantizing methods' reserve, query_window, pool_kernel, pool) from the same
-# overrides, so one set of overrides keeps every method on the same footing
 REGISTRY: dict[str, Builder] = {
-    "s4r": lambda r, o: S4RMethod(S4RConfig(ratio=r).with_overrides(o), name="s4r"),
-    "s4r-paper": lambda r, o: S4RMethod(S4RConfig.paper(r).with_overrides(o), name="s4r-paper"),
-    "full": lambda r, o: FullMethod(),
-    "streaming": lambda r, o: StreamingMethod.from_config(S4RConfig(ratio=r).with_overrides(o)),
-    "snapkv": lambda r, o: SnapKVMethod.from_config(S4RConfig(ratio=r).with_overrides(o)),
-    "svd": svd_method,
-    "offline": lambda r, o: OfflineMethod(S4RConfig(ratio=r).with_overrides(o)),
-    "quant": quant.build,
-    "kvzip": kvzip.build,
+    "s4r": S4RMethod.build,
+    "s4r-paper": S4RPaperMethod.build,
+    "full": FullMethod.build,
+    "streaming": StreamingMethod.build,
+    "snapkv": SnapKVMethod.build,
+    "svd": SVDMethod.build,
+    "offline": OfflineMethod.build,
+    "quant": QuantMethod.build,
+    "kvzip": KVzipMethod.build,
 }
 
 METHODS: tuple[str, ...] = tuple(REGISTRY)
 
 
+def known_settings() -> frozenset[str]:
+    """Every override key some registered method takes."""
+    return frozenset().union(*(settings_of(builder) for builder in REGISTRY.values()))
+
+
 def make_method(name: str, ratio: float, overrides: dict[str, Any] | None = None) -> Method:
-    """Build method `name` for a target `ratio`; `overrides` adjust S4R settings (see S4RConfig)."""
+    """Build method `name` for a target `ratio`. `overrides` set its settings; keys that are another
+    method's settings are ignored (one dict can go to every method), a key no method has is a ValueError."""
     builder = REGISTRY.get(name)
     if builder is None:
         raise ValueError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
+    unknown = sorted(set(overrides or {}) - known_settings())
+    if unknown:
+        raise ValueError(f"unknown setting(s): {', '.join(unknown)} (no method has them)")
     return builder(ratio, overrides)
 
 
 __all__ = ["METHODS", "REGISTRY", "CompressContext", "FullMethod", "KVzipMethod", "Method", "OfflineMethod",
-           "QuantMethod", "S4RMethod", "SnapKVMethod", "StreamingMethod", "make_method", "svd_method"]
+           "QuantMethod", "S4RMethod", "S4RPaperMethod", "SVDMethod", "SnapKVMethod", "StreamingMethod",
+           "known_settings", "make_method"]

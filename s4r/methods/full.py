@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..cache import S4RCache
-from .base import CompressContext
+from ..cache import CompressedCache
+from ..layers import FullLayer
+from .base import CompressContext, OwnSettings
 
 
 @dataclass
-class FullMethod:
-    """Keep every key and value in the model's dtype."""
+class FullMethod(OwnSettings):
+    """Keep every key and value in the model's dtype (no settings: the ratio is always 1)."""
 
     name: str = "full"
-    query_window: int = 0
+    query_window: ClassVar[int] = 0
     layerwise: ClassVar[bool] = True
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
-        for layer in cache.layers:
-            layer.query_window, layer.queries = 0, None
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
+        cache.compress(lambda i, layer: FullLayer.from_staged(layer))
         return {}

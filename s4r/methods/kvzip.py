@@ -9,59 +9,48 @@ Scoring runs the model once more over the context, which `compress_seconds` incl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
-from ..cache import S4RCache
-from ..config import S4RConfig
+from ..cache import CompressedCache
 from ..errors import S4RError
-from ..eviction import EvictedLayer, eviction_budget
 from ..kvzip_scoring import kvzip_scores
+from ..layers import StagingLayer
 from .base import CompressContext
+from .scorer import ScorerMethod, keep_top, protect_first
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 
 def kvzip_indices(scores: torch.Tensor, budget: int, sinks: int) -> torch.Tensor:
     """Positions [H, K] (ascending) kept per head: the first `sinks`, then the best scores."""
-    heads, total = scores.shape
-    if budget >= total:
-        return torch.arange(total, device=scores.device).expand(heads, total)
-    s = min(sinks, budget)
-    ranked = scores.clone()
-    ranked[:, :s] = float("inf")
-    return torch.topk(ranked, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return keep_top(protect_first(scores, sinks, budget), budget)
 
 
 @dataclass
-class KVzipMethod:
+class KVzipMethod(ScorerMethod):
     """KVzip eviction; needs the model and the prompt's token ids in the compression context."""
 
     name: str = "kvzip"
-    query_window: int = 0
     sinks: int = 4
-    reserve: int = 64
-    ratio: float | None = None
     chunk_tokens: int = 512
+    layerwise: ClassVar[bool] = False  # scoring re-reads the prompt through every layer
+    _scores: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def prepare(self, cache: CompressedCache, ctx: CompressContext) -> None:
         if ctx.model is None or ctx.ids is None or ctx.tokenizer is None:
             raise S4RError("kvzip scores by re-reading the prompt: it needs the model, tokenizer and ids")
         tokens = cache.logical_length()
         if len(ctx.ids) != tokens:
             raise S4RError(f"kvzip got {len(ctx.ids)} prompt ids for a {tokens}-token cache")
-        budget = eviction_budget(cache.shape, tokens, self.ratio or ctx.ratio, self.reserve)
         repeat = ctx.tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False)
-        scores = kvzip_scores(ctx.model, cache, ctx.ids, repeat, self.chunk_tokens)
-        cache.compress(lambda i, layer: EvictedLayer.from_staged(
-            layer, kvzip_indices(scores[i], budget, self.sinks)))
-        return {"kept_tokens": min(budget, tokens), "reserve": self.reserve,
-                "chunk_tokens": self.chunk_tokens}
+        self._scores = kvzip_scores(ctx.model, cache, ctx.ids, repeat, self.chunk_tokens)
 
+    def score(self, i: int, layer: StagingLayer, budget: int) -> torch.Tensor:
+        return protect_first(self._scores[i], self.sinks, budget)
 
-def build(ratio: float, overrides: dict[str, Any] | None = None) -> KVzipMethod:
-    """The `kvzip` method for `ratio`; reads `sinks` and `buffer_tokens` (its reserve) from the overrides."""
-    cfg = S4RConfig(ratio=ratio).with_overrides(overrides)
-    return KVzipMethod(sinks=cfg.sinks, reserve=cfg.buffer_tokens, ratio=cfg.ratio)
+    def report(self, kept: int) -> dict[str, Any]:
+        self._scores = None  # [layers, H, T] floats: not kept past the compression
+        return {"chunk_tokens": self.chunk_tokens}

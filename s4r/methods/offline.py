@@ -17,14 +17,15 @@ from typing import Any
 import torch
 
 from ..attention import install
-from ..budget import KVShape, allocate_ranks, group_shape, solve_ranks
-from ..cache import S4RCache, staged_tensors
+from ..budget import KVShape, group_shape
+from ..cache import CompressedCache, staged_tensors
 from ..compress import LayerBases, compress_layer, fit_layer_bases
 from ..config import S4RConfig
 from ..errors import S4RError
 from ..generation import prefill
 from ..rope import model_rope_fn
 from .base import CompressContext
+from .s4r import S4RMethod, plan_ranks
 
 CALIBRATION_BOOK = "romeo-and-juliet"
 CALIBRATION_TOKENS = 2048
@@ -118,7 +119,7 @@ def calibrate(source: Any, text: str | Sequence[int] | torch.Tensor | None, cfg:
     install(model)
     rope = model_rope_fn(model) if cfg.key_space == "pre_rope" else None
     _, width = group_shape(shape, cfg.granularity)
-    cache = S4RCache(shape.layers, shape, query_window=0)
+    cache = CompressedCache(shape.layers, shape, query_window=0)
     if len(ids) <= cfg.sinks:
         raise S4RError("the calibration text is too short: it has no tokens past the sinks")
     # no_grad rather than inference_mode: the bases outlive this call and are used outside it
@@ -134,16 +135,12 @@ def calibrate(source: Any, text: str | Sequence[int] | torch.Tensor | None, cfg:
 
 
 @dataclass
-class OfflineMethod:
+class OfflineMethod(S4RMethod):
     """S4R with bases from a calibration instead of the prompt; ranks from the same solver as s4r."""
 
     config: S4RConfig = field(default_factory=S4RConfig)
     name: str = "offline"
     calibration: Calibration | None = None
-
-    @property
-    def query_window(self) -> int:
-        return self.config.query_window
 
     @property
     def layerwise(self) -> bool:
@@ -158,7 +155,7 @@ class OfflineMethod:
                                      chunk_size=chunk_size, register=register)
         return self.calibration
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         cfg = self.config
         calibration = self.calibration or registered_calibration(cache.shape, cfg)
         if calibration is None:
@@ -166,14 +163,9 @@ class OfflineMethod:
         if calibration.key != basis_key(cache.shape, cfg):
             raise S4RError("the offline calibration was made for another model shape or basis settings")
         self.calibration = calibration
-        tokens = cache.logical_length()
         # the same solver as s4r; energy allocation reads the calibration's spectra (the prompt's own
         # are what offline does without)
-        if cfg.rank_alloc == "energy" and cfg.rank_k is None:
-            ranks = allocate_ranks(cache.shape, cfg, tokens, calibration.energies())
-        else:
-            plan = solve_ranks(cache.shape, cfg, tokens)
-            ranks = [(plan.rank_k, plan.rank_v)] * len(cache.layers)
+        ranks = plan_ranks(cache.shape, cfg, cache.logical_length(), calibration.energies)
 
         def build(i: int, layer):
             keys = layer.keys_view

@@ -9,15 +9,14 @@ cache. At ratio 2.5 that is int4, at ratio 5 int2 (llama.cpp's q4_0 is about 3.6
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ..budget import KVShape
-from ..cache import S4RCache, staged_tensors
-from ..config import S4RConfig
+from ..cache import CompressedCache, staged_tensors
 from ..errors import BudgetError
 from ..quant_layer import QuantLayer
 from ..quantize import PACKABLE_BITS, quant_bytes_per_token
-from .base import CompressContext
+from .base import CompressContext, OwnSettings
 
 KEY_GROUPS: tuple[int, ...] = (32, 64, 128)
 
@@ -68,8 +67,11 @@ def plan_quant(shape: KVShape, tokens: int, ratio: float, reserve: int) -> Quant
 
 
 @dataclass
-class QuantMethod:
-    """Quantize every layer with the plan's bit width; `reserve` is S4R's `buffer_tokens`."""
+class QuantMethod(OwnSettings):
+    """Quantize every layer with the plan's bit width; `reserve` new tokens stay in full precision (the
+    `buffer_tokens` override sets it, as for S4R's buffer)."""
+
+    ALIASES: ClassVar[dict[str, str]] = {"buffer_tokens": "reserve"}
 
     name: str = "quant"
     # each layer is quantized alone, so a layer-wise ingest can compress it as soon as it is complete
@@ -85,7 +87,7 @@ class QuantMethod:
                                  self.reserve)
         return shape.full_bytes_per_token() * tokens / used
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         plan = plan_quant(cache.shape, cache.logical_length(), self.ratio or ctx.ratio, self.reserve)
 
         def build(i: int, layer) -> QuantLayer:
@@ -97,8 +99,3 @@ class QuantMethod:
         return {"bits": plan.bits, "key_group": plan.key_group, "value_group": plan.value_group,
                 "reserve": self.reserve}
 
-
-def build(ratio: float, overrides: dict[str, Any] | None = None) -> QuantMethod:
-    """The `quant` method for `ratio`; reads `buffer_tokens` (its reserve) from the S4R overrides."""
-    cfg = S4RConfig(ratio=ratio).with_overrides(overrides)
-    return QuantMethod(reserve=cfg.buffer_tokens, ratio=cfg.ratio)

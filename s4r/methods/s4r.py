@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from ..budget import allocate_ranks, group_shape, solve_ranks
-from ..cache import S4RCache, staged_tensors
+import torch
+
+from ..budget import KVShape, allocate_ranks, group_shape, solve_ranks
+from ..cache import CompressedCache, staged_tensors
 from ..compress import compress_layer, fit_layer_bases
 from ..config import S4RConfig
 from .base import CompressContext
+
+
+def energy_ranks(cfg: S4RConfig) -> bool:
+    """Whether ranks are spread over layers by energy (which needs every layer's spectrum first)."""
+    return cfg.rank_alloc == "energy" and cfg.rank_k is None
+
+
+def plan_ranks(shape: KVShape, cfg: S4RConfig, tokens: int,
+               energies: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[int, int]]:
+    """Per-layer (rank_k, rank_v) for `tokens` tokens: by energy (`energies()`: per-layer K/V energy per
+    basis column, only asked for then), else the solver's one pair for every layer."""
+    if energy_ranks(cfg):
+        return allocate_ranks(shape, cfg, tokens, energies())
+    plan = solve_ranks(shape, cfg, tokens)
+    return [(plan.rank_k, plan.rank_v)] * shape.layers
 
 
 @dataclass
@@ -18,6 +37,22 @@ class S4RMethod:
     config: S4RConfig = field(default_factory=S4RConfig)
     name: str = "s4r"
 
+    @classmethod
+    def settings(cls) -> frozenset[str]:
+        """The override keys it takes: the fields of `S4RConfig`."""
+        return frozenset(f.name for f in fields(S4RConfig))
+
+    @classmethod
+    def defaults(cls, ratio: float) -> S4RConfig:
+        """The settings before overrides."""
+        return S4RConfig(ratio=ratio)
+
+    @classmethod
+    def build(cls, ratio: float, overrides: dict[str, Any] | None = None) -> S4RMethod:
+        """This method for `ratio` with the overrides that name S4R settings (others are ignored)."""
+        own = {k: v for k, v in (overrides or {}).items() if k in cls.settings()}
+        return cls(cls.defaults(ratio).with_overrides(own))
+
     @property
     def query_window(self) -> int:
         return self.config.query_window
@@ -25,21 +60,32 @@ class S4RMethod:
     @property
     def layerwise(self) -> bool:
         """Per-layer unless ranks are spread over layers by energy (that needs every layer's spectrum)."""
-        return not (self.config.rank_alloc == "energy" and self.config.rank_k is None)
+        return not energy_ranks(self.config)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
+    def compress(self, cache: CompressedCache, ctx: CompressContext) -> dict:
         cfg = self.config
-        tokens = cache.logical_length()
-        if cfg.rank_alloc == "energy" and cfg.rank_k is None:
+        bases = [None] * len(cache.layers)
+
+        def energies() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            # full-width bases of every layer; compress_layer reuses them at the chosen ranks
             width = group_shape(cache.shape, cfg.granularity)[1]
-            bases = [fit_layer_bases(*staged_tensors(layer)[:2], cfg, ctx.rope, width, width)
-                     for layer in cache.layers]
-            ranks = allocate_ranks(cache.shape, cfg, tokens, [(b.energy_k, b.energy_v) for b in bases])
-        else:
-            plan = solve_ranks(cache.shape, cfg, tokens)
-            ranks = [(plan.rank_k, plan.rank_v)] * len(cache.layers)
-            bases = [None] * len(cache.layers)
+            bases[:] = [fit_layer_bases(*staged_tensors(layer)[:2], cfg, ctx.rope, width, width)
+                        for layer in cache.layers]
+            return [(b.energy_k, b.energy_v) for b in bases]
+
+        ranks = plan_ranks(cache.shape, cfg, cache.logical_length(), energies)
         cache.compress(lambda i, layer: compress_layer(
             *staged_tensors(layer), cfg, ranks[i][0], ranks[i][1], ctx.rope, bases=bases[i]))
         return {"rank_k": [r[0] for r in ranks], "rank_v": [r[1] for r in ranks],
                 "granularity": cfg.granularity}
+
+
+@dataclass
+class S4RPaperMethod(S4RMethod):
+    """S4R with the paper's literal settings (`S4RConfig.paper`)."""
+
+    name: str = "s4r-paper"
+
+    @classmethod
+    def defaults(cls, ratio: float) -> S4RConfig:
+        return S4RConfig.paper(ratio)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..cache import S4RCache
-from ..config import S4RConfig
-from ..eviction import EvictedLayer, eviction_budget
+from ..layers import StagingLayer
 from ..selection import pool_scores
-from .base import CompressContext
+from .scorer import ScorerMethod, keep_top
 
 
 def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -38,26 +36,30 @@ def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, scaling: float) -> 
     return torch.stack(votes)
 
 
+def snapkv_token_scores(keys: torch.Tensor, queries: torch.Tensor, budget: int, *, kernel: int = 7,
+                        pool: str = "avg", scaling: float | None = None) -> torch.Tensor:
+    """[H, T] scores of SnapKV: the observation window's pooled votes for the tokens before it, the W window
+    tokens themselves always kept (only the last `budget` of them when the budget is smaller)."""
+    heads, total, dim = keys.shape
+    window = min(queries.shape[1], total)
+    if budget <= window:  # the last tokens only: their positions rank them
+        return torch.arange(total, device=keys.device, dtype=torch.float32).expand(heads, total)
+    votes = snapkv_scores(keys, queries[:, -window:], dim**-0.5 if scaling is None else scaling)
+    forced = torch.full((heads, window), float("inf"), device=keys.device)
+    return torch.cat([pool_scores(votes, kernel, pool), forced], dim=-1)
+
+
 def snapkv_indices(keys: torch.Tensor, queries: torch.Tensor, budget: int, *, kernel: int = 7,
                    pool: str = "avg", scaling: float | None = None) -> torch.Tensor:
     """Positions [H, K] (ascending) SnapKV keeps per KV head: the top `budget - W` pooled votes of the
     tokens before the window, then the W window tokens themselves (only the last `budget` of them
     when the budget is smaller than the window)."""
-    heads, total, dim = keys.shape
-    window = min(queries.shape[1], total)
-    if budget >= total:
-        return torch.arange(total, device=keys.device).expand(heads, total)
-    if budget <= window:
-        return torch.arange(total - budget, total, device=keys.device).expand(heads, budget)
-    scores = snapkv_scores(keys, queries[:, -window:], dim**-0.5 if scaling is None else scaling)
-    scores = pool_scores(scores, kernel, pool)
-    top = torch.topk(scores, budget - window, dim=-1, sorted=False).indices.sort(dim=-1).values
-    tail = torch.arange(total - window, total, device=keys.device).expand(heads, window)
-    return torch.cat([top, tail], dim=-1)
+    return keep_top(snapkv_token_scores(keys, queries, budget, kernel=kernel, pool=pool, scaling=scaling),
+                    budget)
 
 
 @dataclass
-class SnapKVMethod:
+class SnapKVMethod(ScorerMethod):
     """SnapKV with an observation window of `query_window` recorded last queries; the budget is
     `floor(T / ratio) - reserve` tokens per head (see `eviction_budget`), window included.
 
@@ -67,29 +69,16 @@ class SnapKVMethod:
     name: str = "snapkv"
     query_window: int = 32
     kernel: int = 7
-    pool: Literal["avg", "max"] = "avg"
-    reserve: int = 64
-    ratio: float | None = None
+    pool: Literal["avg", "max"] = "max"  # max pooling, as S4R's selection (the paper's is "avg")
     scaling: float | None = None
-    layerwise: ClassVar[bool] = True
+    ALIASES: ClassVar[dict[str, str]] = {"buffer_tokens": "reserve", "pool_kernel": "kernel"}
 
-    @classmethod
-    def from_config(cls, cfg: S4RConfig) -> SnapKVMethod:
-        """Take the settings S4R shares with it (query window, pooling, buffer_tokens as the reserve)."""
-        return cls(query_window=cfg.query_window, kernel=cfg.pool_kernel, pool=cfg.pool,
-                   reserve=cfg.buffer_tokens, ratio=cfg.ratio)
+    def score(self, i: int, layer: StagingLayer, budget: int) -> torch.Tensor:
+        if layer.queries is None:
+            raise ValueError("snapkv needs the prompt's last queries: prefill with a query window")
+        queries = layer.queries[0, :, -self.query_window :]
+        return snapkv_token_scores(layer.keys_view[0], queries, budget, kernel=self.kernel, pool=self.pool,
+                                   scaling=self.scaling)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
-        tokens = cache.logical_length()
-        budget = eviction_budget(cache.shape, tokens, self.ratio or ctx.ratio, self.reserve)
-
-        def build(i: int, layer) -> EvictedLayer:
-            if layer.queries is None:
-                raise ValueError("snapkv needs the prompt's last queries: prefill with a query window")
-            queries = layer.queries[0, :, -self.query_window :]
-            idx = snapkv_indices(layer.keys_view[0], queries, budget, kernel=self.kernel, pool=self.pool,
-                                 scaling=self.scaling)
-            return EvictedLayer.from_staged(layer, idx)
-
-        cache.compress(build)
-        return {"kept_tokens": min(budget, tokens), "window": self.query_window, "reserve": self.reserve}
+    def report(self, kept: int) -> dict[str, Any]:
+        return {"window": self.query_window}

@@ -3,50 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any
 
 import torch
 
-from ..cache import S4RCache
-from ..config import S4RConfig
-from ..eviction import EvictedLayer, eviction_budget
-from .base import CompressContext
+from ..layers import StagingLayer
+from .scorer import ScorerMethod, keep_top, protect_first
+
+
+def streaming_scores(tokens: int, budget: int, sinks: int) -> torch.Tensor:
+    """[T] scores of StreamingLLM: the first `sinks` always kept, then the later the better."""
+    return protect_first(torch.arange(tokens, dtype=torch.float32), sinks, budget)
 
 
 def streaming_indices(tokens: int, budget: int, sinks: int) -> torch.Tensor:
     """Positions [K] StreamingLLM keeps of a `tokens`-long prompt: the first `sinks`, then the most recent
     ones up to `budget` in all (every token when the budget covers the prompt)."""
-    if budget >= tokens:
-        return torch.arange(tokens)
-    s = min(sinks, budget)
-    return torch.cat([torch.arange(s), torch.arange(tokens - (budget - s), tokens)])
+    return keep_top(streaming_scores(tokens, budget, sinks), budget)
 
 
 @dataclass
-class StreamingMethod:
-    """Keep `sinks` first tokens and the most recent ones, the same tokens for every head and layer.
-
-    The budget is `floor(T / ratio) - reserve` tokens (see `eviction_budget`); `ratio` None takes the
-    ratio of the compression context.
-    """
+class StreamingMethod(ScorerMethod):
+    """Keep `sinks` first tokens and the most recent ones, the same tokens for every head and layer."""
 
     name: str = "streaming"
-    query_window: int = 0  # needs no queries
-    layerwise: ClassVar[bool] = True
     sinks: int = 4
-    reserve: int = 64
-    ratio: float | None = None
 
-    @classmethod
-    def from_config(cls, cfg: S4RConfig) -> StreamingMethod:
-        """Take the settings S4R shares with it (sinks, buffer_tokens as the reserve, ratio)."""
-        return cls(sinks=cfg.sinks, reserve=cfg.buffer_tokens, ratio=cfg.ratio)
+    def score(self, i: int, layer: StagingLayer, budget: int) -> torch.Tensor:
+        return streaming_scores(layer.logical, budget, self.sinks).to(layer.keys_view.device)
 
-    def compress(self, cache: S4RCache, ctx: CompressContext) -> dict:
-        tokens = cache.logical_length()
-        budget = eviction_budget(cache.shape, tokens, self.ratio or ctx.ratio, self.reserve)
-        idx = streaming_indices(tokens, budget, self.sinks)
-        cache.compress(lambda i, layer: EvictedLayer.from_staged(layer, idx))
-        sinks = min(self.sinks, idx.numel())
-        return {"kept_tokens": idx.numel(), "sinks": sinks, "recent": idx.numel() - sinks,
-                "reserve": self.reserve}
+    def report(self, kept: int) -> dict[str, Any]:
+        sinks = min(self.sinks, kept)
+        return {"sinks": sinks, "recent": kept - sinks}

@@ -7,6 +7,7 @@ what S4R's selective sampling saves).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import S4RConfig
@@ -16,15 +17,21 @@ from .s4r import S4RMethod
 SVD_SETTINGS: dict[str, Any] = {"sample_tokens": None, "normalize": False}
 
 
-def svd_config(ratio: float, overrides: dict[str, Any] | None = None) -> S4RConfig:
-    """S4R's default settings with `overrides`, then the full-SVD settings (which overrides may not
-    change: the result would no longer be this baseline)."""
-    clash = sorted(k for k, v in (overrides or {}).items() if k in SVD_SETTINGS and v != SVD_SETTINGS[k])
-    if clash:
-        raise ValueError(f"svd fits its bases on every token as they are; it cannot set {', '.join(clash)}")
-    return S4RConfig(ratio=ratio).with_overrides(overrides).with_overrides(SVD_SETTINGS)
+@dataclass
+class SVDMethod(S4RMethod):
+    """S4R's default settings with every token in the SVD, unnormalized (ranks from the same solver)."""
 
+    name: str = "svd"
 
-def svd_method(ratio: float, overrides: dict[str, Any] | None = None) -> S4RMethod:
-    """The `svd` method for a target `ratio` (ranks from the same solver as s4r)."""
-    return S4RMethod(svd_config(ratio, overrides), name="svd")
+    @classmethod
+    def build(cls, ratio: float, overrides: dict[str, Any] | None = None) -> SVDMethod:
+        """Refuses overrides of the full-SVD settings: the result would no longer be this baseline."""
+        clash = sorted(k for k, v in (overrides or {}).items() if k in SVD_SETTINGS and v != SVD_SETTINGS[k])
+        if clash:
+            raise ValueError("svd fits its bases on every token as they are; it cannot set "
+                             + ", ".join(clash))
+        return super().build(ratio, overrides)
+
+    @classmethod
+    def defaults(cls, ratio: float) -> S4RConfig:
+        return S4RConfig(ratio=ratio).with_overrides(SVD_SETTINGS)

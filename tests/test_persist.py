@@ -1,0 +1,86 @@
+"""Saved caches: the header is inside the checksum, the dtype is kept by name, damaged files are refused."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from s4r.errors import CacheFileError
+from s4r.session import Session
+from tests.helpers import CharTokenizer, tiny_model
+
+DOC = "The quick brown fox jumps over the lazy dog near the river bank. " * 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def loaded_as(model, dtype: torch.dtype) -> SimpleNamespace:
+    return SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="tiny", device="cpu", dtype=dtype,
+                           context_length=4096)
+
+
+@pytest.fixture
+def saved(model, tmp_path):
+    session = Session(loaded_as(model, torch.float32), method="s4r", ratio=2.5)
+    session.ingest(DOC)
+    path = tmp_path / "chat.s4r"
+    session.save(path)
+    return path
+
+
+def rewrite(path, edit_header=None, edit_tensors=None) -> None:
+    """Rewrite a saved file as a tool that changes it would (a valid safetensors file again)."""
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open API
+        header = json.loads(f.metadata()["s4r"])
+    if edit_header is not None:
+        edit_header(header)
+    if edit_tensors is not None:
+        edit_tensors(tensors)
+    save_file(tensors, str(path), metadata={"s4r": json.dumps(header)})
+
+
+def test_an_untouched_file_loads(model, saved):
+    assert Session.load(saved, loaded_as(model, torch.float32)).method == "s4r"
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h["meta"].update(document_tokens=h["meta"]["document_tokens"] + 1),
+    lambda h: h["meta"].update(system="You are someone else."),
+    lambda h: h["layers"][0]["meta"]["config"].update(local_window=8),
+])
+def test_a_changed_header_is_refused(model, saved, edit):
+    rewrite(saved, edit_header=edit)
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        Session.load(saved, loaded_as(model, torch.float32))
+
+
+def test_a_changed_tensor_is_refused(model, saved):
+    rewrite(saved, edit_tensors=lambda t: t["0.coef_v"].mul_(2))
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        Session.load(saved, loaded_as(model, torch.float32))
+
+
+def test_a_truncated_file_is_refused(model, saved):
+    saved.write_bytes(saved.read_bytes()[:-100])
+    with pytest.raises(CacheFileError, match="not a valid s4r cache file"):
+        Session.load(saved, loaded_as(model, torch.float32))
+
+
+def test_the_dtype_is_kept_by_name(model, tmp_path):
+    """bf16 and fp16 are both two bytes wide: a cache saved in one is refused by a session in the other."""
+    path = tmp_path / "half.s4r"
+    session = Session(loaded_as(model, torch.bfloat16), method="full")
+    session.ingest(DOC)
+    session.save(path)
+    assert Session.load(path, loaded_as(model, torch.bfloat16)).memory() == session.memory()
+    with pytest.raises(CacheFileError, match="dtype 'bfloat16', this session uses 'float16'"):
+        Session.load(path, loaded_as(model, torch.float16))

@@ -1,0 +1,133 @@
+"""The selection path of S4R's decode, tested directly: latent scores, pooling, top-k with a planted token,
+outlier choice, the hybrid sample and the int8 round trip (constructed cases, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from s4r.attention import causal_attention
+from s4r.compress import compress_layer, compressible_parts, outlier_tokens
+from s4r.config import S4RConfig
+from s4r.layers import project_queries, to_groups
+from s4r.selection import latent_scores, pool_scores, select_tokens
+from s4r.subspace import dequantize_int8, hybrid_sample_indices, project, quantize_int8
+
+HEADS, N_REP, DIM = 2, 3, 16  # 2 KV heads, each shared by 3 query heads
+
+
+def rng(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def orthonormal(groups: int, width: int, seed: int) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(groups, width, width, generator=rng(seed)))[0]
+
+
+@pytest.mark.parametrize("granularity", ["head", "layer"])
+def test_latent_scores_equal_dense_logits_at_full_rank(granularity):
+    keys = torch.randn(HEADS, 50, DIM, generator=rng(0))
+    query = torch.randn(HEADS * N_REP, DIM, generator=rng(1))
+    groups, width = (HEADS, DIM) if granularity == "head" else (1, HEADS * DIM)
+    basis = orthonormal(groups, width, 2)
+    coef_t = project(to_groups(keys, groups), basis).transpose(1, 2)  # [G, r, N]
+    q_lat = project_queries(query.view(HEADS, N_REP, DIM), basis).reshape(HEADS * N_REP, -1)
+    # the dense logit of each query head on its KV head's keys, summed over the heads of a group
+    dense = torch.einsum("hrd,hnd->hn", query.view(HEADS, N_REP, DIM), keys)
+    torch.testing.assert_close(latent_scores(coef_t, None, q_lat, HEADS), dense, rtol=1e-4, atol=1e-4)
+
+
+def test_pool_scores_spreads_a_peak_to_its_neighbours():
+    scores = torch.zeros(1, 9)
+    scores[0, 4] = 3.0
+    assert pool_scores(scores, 3, "max").tolist() == [[0, 0, 0, 3, 3, 3, 0, 0, 0]]
+    assert pool_scores(scores, 1, "max") is scores
+    avg = pool_scores(torch.tensor([[3.0, 0, 0, 0, 6]]), 3, "avg")
+    torch.testing.assert_close(avg, torch.tensor([[1.5, 1.0, 0.0, 2.0, 3.0]]))  # edges: no padding counted
+
+
+def test_select_tokens_takes_the_forced_tail_and_the_top_k():
+    scores = torch.tensor([[5.0, 1, 9, 2, 0, 0], [0.0, 8, 1, 7, 0, 0]])
+    idx = select_tokens(scores, 2, 2)
+    assert [sorted(row) for row in idx.tolist()] == [[0, 2, 4, 5], [1, 3, 4, 5]]
+
+
+def planted_layer(positions: dict[int, int], *, shared: bool) -> tuple:
+    """A compressed layer (full rank, exact coefficients, no outliers, a small reconstruction share) of
+    random keys where KV head h's key at positions[h] is what its query heads look for; the queries."""
+    total = 400
+    keys = torch.randn(HEADS, total, DIM, generator=rng(3))
+    values = torch.randn(HEADS, total, DIM, generator=rng(4))
+    directions = torch.nn.functional.normalize(torch.randn(HEADS, DIM, generator=rng(5)), dim=-1)
+    for head, pos in positions.items():
+        keys[head, pos] = 8 * directions[head]
+    query = (8 * directions).repeat_interleave(N_REP, dim=0).view(1, HEADS * N_REP, 1, DIM)
+    cfg = S4RConfig(ratio=None, rank_k=DIM, rank_v=DIM, granularity="head", coef_dtype="model",
+                    outlier_fraction=0.0, recon_fraction=0.02, local_window=0, pool_kernel=1,
+                    sample_tokens=None, shared_selection=shared)
+    layer = compress_layer(keys, values, None, cfg, DIM, DIM, None)
+    return layer, keys, values, query
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_planted_token_is_selected_with_a_small_reconstruction_share(shared):
+    planted = {0: 123, 1: 123}
+    layer, keys, values, query = planted_layer(planted, shared=shared)
+    out = layer.attend(query, None, None, DIM**-0.5)
+    assert layer.selected.shape[1] == 8  # 2% of the 396 stored tokens
+    for head, pos in planted.items():
+        assert pos - layer.sinks in layer.selected[head].tolist()
+    dense = causal_attention(query, keys.unsqueeze(0), values.unsqueeze(0), DIM**-0.5)
+    torch.testing.assert_close(out, dense, rtol=0, atol=0.05)
+
+
+def test_each_kv_head_selects_for_its_own_query_heads():
+    """Planted tokens at different positions per KV head: a selection that mixed up which query heads
+    belong to which KV head would pick the other head's token and miss the attention's mass."""
+    planted = {0: 50, 1: 300}
+    layer, keys, values, query = planted_layer(planted, shared=False)
+    out = layer.attend(query, None, None, DIM**-0.5)
+    selected = layer.selected.tolist()
+    assert planted[0] - layer.sinks in selected[0] and planted[1] - layer.sinks in selected[1]
+    assert planted[1] - layer.sinks not in selected[0] and planted[0] - layer.sinks not in selected[1]
+    dense = causal_attention(query, keys.unsqueeze(0), values.unsqueeze(0), DIM**-0.5)
+    torch.testing.assert_close(out, dense, rtol=0, atol=0.05)
+
+
+def test_outlier_tokens_are_the_worst_represented_ones():
+    basis = torch.eye(4)[:, :2].unsqueeze(0)  # spans the first two axes
+    x = torch.zeros(1, 10, 4)
+    x[0, :, 0] = 1.0
+    x[0, 3, 2] = 5.0  # mostly off the basis
+    x[0, 7, 3] = 0.5  # a little off it
+    x[0, 9, 2] = 9.0  # the worst, but in the local window's tail
+    assert outlier_tokens(x, x, basis, basis, 2).tolist() == [3, 9]
+    assert outlier_tokens(x, x, basis, basis, 2, exclude_tail=1).tolist() == [3, 7]
+    effect = torch.arange(10.0)
+    assert outlier_tokens(x, x, basis, basis, 3, exclude_tail=2, effect=effect).tolist() == [5, 6, 7]
+
+
+def test_hybrid_sample_indices():
+    idx = hybrid_sample_indices(1000, 200, 0.25)
+    assert idx.numel() == 200 and torch.equal(idx, idx.unique())  # sorted, no repeats
+    assert idx.min() == 0 and idx.max() == 999
+    assert torch.equal(idx[-50:], torch.arange(950, 1000))  # the recent block, whole
+    early = idx[:-50]
+    assert early.max() < 950 and early.diff().min() >= 5  # uniform over the earlier part
+    assert torch.equal(hybrid_sample_indices(100, None, 0.25), torch.arange(100))
+    assert torch.equal(hybrid_sample_indices(100, 500, 0.25), torch.arange(100))
+
+
+def test_the_sample_never_holds_the_sinks():
+    keys = torch.arange(2 * 20 * 4, dtype=torch.float32).view(2, 20, 4)
+    k_groups, v_groups = compressible_parts(keys, keys, S4RConfig(sinks=4, granularity="head"), None)
+    assert k_groups.shape == (2, 16, 4) and torch.equal(k_groups, keys[:, 4:])
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    coef = torch.randn(3, 100, 24, generator=rng(6)) * torch.rand(3, 100, 1, generator=rng(7)) * 10
+    q, scale = quantize_int8(coef, torch.float32)
+    assert q.dtype == torch.int8 and scale.shape == (3, 100, 1)
+    error = (dequantize_int8(q, scale, torch.float32) - coef).abs()
+    assert (error <= scale / 2 + 1e-6).all()
+    assert torch.equal(q.abs().amax(dim=-1), torch.full((3, 100), 127, dtype=torch.int8))  # range used
