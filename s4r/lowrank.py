@@ -21,16 +21,14 @@ import math
 import torch
 
 from .attention import causal_mask, handoff
-from .coef_bands import Encoded, decode_tails, encode_coefficients, plan_bands
+from .coef_bands import Encoded, encode_coefficients, plan_bands
 from .config import S4RConfig
-from .latent import gather_value_rows, gathered_logits, latent_logits, merged_attention
-from .layers import CacheLayer, head_blocks, project_queries, tensor_bytes, to_groups
-from .rope import RopeFn, apply_rope, undo_rope
-from .selection import decay_factor, latent_scores, pool_scores, select_tokens, update_relevance
+from .latent import gather_value_rows, merged_attention
+from .layers import CacheLayer, head_blocks, tensor_bytes, to_groups
+from .lowrank_selection import MIN_SPARE, LatentSelection
+from .rope import RopeFn, undo_rope
+from .selection import decay_factor
 from .subspace import project, relative_residual
-
-# spare token slots when a store grows: the larger of this and 1/16 of what it holds
-MIN_SPARE = 64
 
 
 def grown(t: torch.Tensor, dim: int, used: int, need: int) -> torch.Tensor:
@@ -57,7 +55,7 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-class LowRankLayer(CacheLayer):
+class LowRankLayer(LatentSelection, CacheLayer):
     """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
     the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
 
@@ -332,150 +330,6 @@ class LowRankLayer(CacheLayer):
         # a question longer than the buffer would hold the cache over its ratio until the next step
         self.fold_buffer()
         return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
-
-    # --- selection --------------------------------------------------------------------------------
-    def _latent_query(self, qf: torch.Tensor, q_len: int) -> torch.Tensor:
-        """Query coefficients [H, rows, r_k] (un-rotated first for a pre-RoPE key space)."""
-        if self.cfg.key_space == "pre_rope":
-            positions = torch.arange(self.logical - q_len, self.logical)
-            cos, sin = self._rope(positions)
-            n_rep = qf.shape[1] // q_len
-            q = qf.view(self.heads, n_rep, q_len, -1)
-            qf = undo_rope(q, cos, sin).reshape(qf.shape)
-        return project_queries(qf, self.basis_k)
-
-    def _select_and_score(self, qf, exact_logits, q_len, scaling):
-        """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
-        `shared_selection`), and the queries' logits on them [H, rows, k]."""
-        n = self._n
-        scale_k = None if self._sk is None else self._sk[:, :n]
-        coef_t = self._ck[..., :n]
-        q_full = self._latent_query(qf, q_len)
-        q_lat = q_full if self._tk is None else q_full[..., : self.plan_k.lead].contiguous()  # the int8 band
-        full_logits = None
-        if self.cfg.scoring == "summed":
-            scores = self._summed_scores(q_lat, q_len, coef_t, scale_k, scaling)
-            if q_len <= self.cfg.query_window and self.cfg.key_space == "post_rope":
-                full_logits = latent_logits(q_lat, coef_t, scale_k, scaling)
-        else:
-            scores, full_logits = self._relevance_scores(q_lat, exact_logits, q_len, coef_t, scale_k, scaling)
-        pool = self.cfg.pool if self.cfg.scoring == "summed" else "max"  # relevance: max keeps peaks
-        scores = pool_scores(scores, self.cfg.pool_kernel, pool)
-        if self.out_idx is not None:
-            # outliers are attended exactly already; don't spend reconstruction slots on them
-            scores.index_fill_(1, self._out_long(), float("-inf"))
-        forced = max(0, self.cfg.local_window - self._n_buf)
-        k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
-        idx = select_tokens(scores, k, forced)  # [1, k] shared by every head, else [H, k]
-        self.selected = idx.expand(self.heads, -1)
-        if self._cv.shape[0] != 1:
-            idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
-        if self.cfg.key_space == "pre_rope":
-            return idx, self._rebuilt_key_logits(qf, idx, scaling)
-        if self._tk is not None:  # the selected tokens' logits over every band, not just the scoring one
-            rows = self._rows(idx, keys=True)
-            if rows.shape[0] == 1:
-                return idx, torch.matmul(q_full, rows[0].transpose(0, 1)).mul_(scaling)
-            return idx, torch.matmul(q_full, rows.transpose(1, 2)).mul_(scaling)
-        if full_logits is not None:
-            heads, rows, _ = full_logits.shape
-            return idx, torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
-        return idx, gathered_logits(q_lat, coef_t, scale_k, idx, scaling)
-
-    def _rebuilt_key_logits(self, qf, idx, scaling):
-        """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
-        kb = head_blocks(self.basis_k, self.heads).float()
-        keys = torch.matmul(self._rows(idx, keys=True), kb.transpose(1, 2))  # [H or 1, k, d]
-        cos, sin = self.rope(idx.reshape(-1) + self.sinks)
-        keys = apply_rope(keys, cos.float().view(*idx.shape, -1), sin.float().view(*idx.shape, -1))
-        return torch.matmul(qf, keys.transpose(1, 2)).mul_(scaling)
-
-    def _rows(self, idx: torch.Tensor, keys: bool) -> torch.Tensor:
-        """fp32 coefficient rows [H or 1, k, r] of the stored tokens `idx` [H or 1, k], every band."""
-        n = self._n
-        coef, scale = (self.coef_k, self._sk) if keys else (self.coef_v, self._sv)
-        rows, sc = gather_value_rows(coef, None if scale is None else scale[:, :n], idx)
-        rows = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
-        codes, steps = (self._tk, self._tsk) if keys else (self._tv, self._tsv)
-        if codes is None:
-            return rows
-        plan = self.plan_k if keys else self.plan_v
-        heads, k = idx.shape
-        if codes.shape[0] == 1:
-            flat = idx.reshape(-1)
-            tail = decode_tails(codes[0, :n].index_select(0, flat), steps[0, :n].index_select(0, flat), plan)
-            tail = tail.view(heads, k, -1)
-        else:
-            def pick(t: torch.Tensor) -> torch.Tensor:
-                return torch.gather(t[:, :n], 1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-
-            tail = decode_tails(pick(codes), pick(steps), plan)
-        return torch.cat([rows, tail], dim=-1)
-
-    def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
-        q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
-        if self.query_coef is not None:
-            q_coef = torch.cat([self.query_coef, q_coef], dim=1)
-        self.query_coef = q_coef[:, -self.cfg.query_window :].clone()
-        scores = latent_scores(coef_t, scale_k, self.query_coef.float().mean(dim=1), self.heads)
-        if self.cfg.pool == "avg":
-            scores = torch.softmax(scores * scaling, dim=-1)
-        return scores.sum(dim=0, keepdim=True) if self.cfg.shared_selection else scores
-
-    def _relevance_scores(self, q_lat, exact_logits, q_len, coef_t, scale_k, scaling):
-        """Relevance [H, N] after this step's queries, and their logits on every stored token [H, rows, N]
-        when every query row was scored (then they double as the attention logits)."""
-        if self._rel is None and self.query_coef is not None:
-            self._seed_relevance(coef_t, scale_k, scaling)
-        window = min(q_len, self.cfg.query_window)
-        n_rep = q_lat.shape[1] // q_len
-        scored = q_lat if window == q_len else (
-            q_lat.view(self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1))
-        logits = latent_logits(scored, coef_t, scale_k, scaling)
-        ex = exact_logits if window == q_len else exact_logits.view(
-            self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1)
-        s, o = self.sinks, self._n_out
-        others = ex if not o else torch.cat([ex[..., :s], ex[..., s + o :]], dim=-1)
-        if o:
-            logits.index_copy_(2, self._out_long(), ex[..., s : s + o])  # outliers: their exact logits
-        # one softmax over the stored tokens and the other exact ones (logsumexp is far slower on CPU
-        # for logits this spread out)
-        probs = torch.softmax(torch.cat([logits, others], dim=-1), dim=-1)[..., : logits.shape[-1]]
-        groups = 1 if self.cfg.shared_selection else self.heads  # shared: every query head is one group
-        probs = probs.view(groups, -1, window, probs.shape[-1])
-        rel = update_relevance(self.relevance, probs, self._decay, self.cfg.scoring)
-        if self.cfg.scoring != "query":
-            self._store_relevance(rel)
-        return rel, (logits if window == q_len else None)
-
-    def _seed_relevance(self, coef_t, scale_k, scaling) -> None:
-        """Relevance from the prompt's last queries (kept at compression), then drop them."""
-        qc = self.query_coef  # [Hq, W, r], positions: the W tokens before the stored ones' end
-        w = qc.shape[1]
-        n_rep = qc.shape[0] // self.heads
-        logits = latent_logits(qc.reshape(self.heads, n_rep * w, -1), coef_t, scale_k, scaling)
-        # window query i sits at the prompt's position T - w + i and sees stored tokens up to it
-        limit = torch.arange(w, device=logits.device) + (self._prompt_coefs - w)
-        future = torch.arange(coef_t.shape[-1], device=logits.device).unsqueeze(0) > limit.unsqueeze(1)
-        logits = logits.view(self.heads, n_rep, w, -1).masked_fill_(future, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if self.cfg.shared_selection:
-            probs = probs.view(1, -1, w, probs.shape[-1])
-        self._store_relevance(update_relevance(None, probs, self._decay, self.cfg.scoring))
-        self.query_coef = None
-
-    def _store_relevance(self, rel: torch.Tensor) -> None:
-        n = rel.shape[-1]
-        if self._rel is None or self._rel.shape[-1] < n or (
-                self._rel.is_inference() and not torch.is_inference_mode_enabled()):
-            self._rel = rel.new_empty(rel.shape[0], n + max(MIN_SPARE, n // 16), dtype=self.dtype)
-        self._rel[:, :n] = rel
-
-    def _out_long(self) -> torch.Tensor:
-        """The outlier indices as int64 (what index ops take), converted once."""
-        if getattr(self, "_out_cache", (None, None))[0] is not self.out_idx:
-            self._out_cache = (self.out_idx, self.out_idx.long())
-        return self._out_cache[1]
 
     # --- truncation ---------------------------------------------------------------------------------
     def _forget_queries(self, removed: int) -> None:
