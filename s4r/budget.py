@@ -53,10 +53,10 @@ def coef_bytes(coef_dtype: str, dtype_bytes: int) -> int:
 
 def token_coef_bytes(cfg: S4RConfig, rank: int, dtype_bytes: int) -> int:
     """Bytes one token's coefficients of one basis group take at `rank`: codes, int8 scale, band steps."""
-    if cfg.coef_bands is None:
+    if cfg.bands is None:
         scale = dtype_bytes if cfg.coef_dtype == "int8" else 0
         return rank * coef_bytes(cfg.coef_dtype, dtype_bytes) + scale
-    plan = plan_bands(rank, cfg.coef_bands)
+    plan = plan_bands(rank, cfg.bands)
     return plan.lead + dtype_bytes + plan.tail_bytes + plan.tail_count * dtype_bytes
 
 
@@ -69,7 +69,7 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
     sinks = cfg.sinks * shape.full_bytes_per_token()
     bases = groups * width * (rank_k + rank_v) * b
     coefs = groups * stored * (token_coef_bytes(cfg, rank_k, b) + token_coef_bytes(cfg, rank_v, b))
-    qwin = shape.q_heads * cfg.query_window * plan_bands(rank_k, cfg.coef_bands).lead * b
+    qwin = shape.q_heads * cfg.query_window * plan_bands(rank_k, cfg.bands).lead * b
     if cfg.scoring == "query":
         qwin = 0  # scores come from the current queries alone
     elif cfg.scoring != "summed":

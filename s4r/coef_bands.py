@@ -142,7 +142,7 @@ def encode_coefficients(coef: torch.Tensor, cfg: S4RConfig, dtype: torch.dtype) 
     their steps or None). Without `coef_bands` the lead is every column (int8 or the model dtype)."""
     if cfg.coef_dtype != "int8":
         return coef.to(dtype), None, None, None
-    plan = plan_bands(coef.shape[-1], cfg.coef_bands)
+    plan = plan_bands(coef.shape[-1], cfg.bands)
     lead, scale = quantize_int8(coef[..., : plan.lead], dtype)
     if not plan.tails:
         return lead, scale, None, None

@@ -88,9 +88,8 @@ class LowRankLayer(LatentSelection, CacheLayer):
         self._sk = None if scale_k is None else scale_k[..., 0].contiguous()  # [G, N]
         self._sv = None if scale_v is None else scale_v[..., 0].contiguous()
         # lower coefficient bands (coef_bands): packed codes [G, N, bytes] and steps [G, N, bands]
-        int8 = cfg.coef_dtype == "int8"
-        self.plan_k = plan_bands(basis_k.shape[-1], cfg.coef_bands if int8 else None)
-        self.plan_v = plan_bands(basis_v.shape[-1], cfg.coef_bands if int8 else None)
+        self.plan_k = plan_bands(basis_k.shape[-1], cfg.bands)
+        self.plan_v = plan_bands(basis_v.shape[-1], cfg.bands)
         self._tk, self._tv = _contiguous(tail_k), _contiguous(tail_v)
         self._tsk, self._tsv = _contiguous(tail_step_k), _contiguous(tail_step_v)
         if bool(self.plan_k.tails) != (tail_k is not None) or bool(self.plan_v.tails) != (tail_v is not None):

@@ -31,6 +31,7 @@ from .rope import model_rope_fn
 from .session_files import restore_session, save_session, saved_meta, session_kwargs
 from .tokens import stop_token_ids, truncate_ids
 from .turn_stats import IngestStats, TurnStats
+from .validation import check_ratio
 
 __all__ = ["INGEST_MODES", "METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
 
@@ -57,8 +58,8 @@ class Session:
     def __init__(self, loaded, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
                  truncate: str | None = None, config_overrides: dict[str, Any] | None = None,
                  chunk_size: int = 512, ingest: str = "layerwise") -> None:
-        if method != "full" and not ratio >= 1.0:
-            raise BudgetError(f"ratio must be at least 1, got {ratio:g}")
+        if method != "full":
+            check_ratio(ratio, BudgetError, name="ratio", upper=None)
         if ingest not in INGEST_MODES:
             raise S4RError(f"unknown ingest mode '{ingest}' (choose {' or '.join(INGEST_MODES)})")
         self.loaded = loaded

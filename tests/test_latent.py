@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from s4r.attention import causal_attention, causal_mask
+from s4r.coef_bands import decode_tails
 from s4r.compress import compress_layer
 from s4r.config import S4RConfig
 from s4r.latent import latent_logits
@@ -112,12 +113,14 @@ def test_latent_attention_equals_full_attention_at_full_rank(scoring, granularit
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("coef_dtype", ["model", "int8"])
-def test_latent_attention_equals_reconstructing_attention(granularity, shared, coef_dtype):
+@pytest.mark.parametrize(("coef_dtype", "bands"), [("model", None), ("int8", None), ("int8", "8:2,4:3,2:3")],
+                         ids=["model", "int8", "bands"])
+def test_latent_attention_equals_reconstructing_attention(granularity, shared, coef_dtype, bands):
     """At a partial selection, the latent path gives what attention over the rebuilt selected tokens
-    (plus sinks, outliers and buffer, exact) gives."""
+    (plus sinks, outliers and buffer, exact) gives; with coefficient bands the rebuilt rows include the
+    lower bands, decoded here with `decode_tails`."""
     width = DIM * HEADS if granularity == "layer" else DIM
-    cfg = S4RConfig(ratio=None, rank_k=width // 2, rank_v=width // 2, coef_dtype=coef_dtype,
+    cfg = S4RConfig(ratio=None, rank_k=width // 2, rank_v=width // 2, coef_dtype=coef_dtype, coef_bands=bands,
                     sample_tokens=None, recon_fraction=0.3, granularity=granularity, outlier_fraction=0.05,
                     shared_selection=shared)
     layer, _, _ = layer_and_dense(cfg, seed=3)
@@ -129,14 +132,17 @@ def test_latent_attention_equals_reconstructing_attention(granularity, shared, c
     idx = layer.selected
     kb, vb = head_blocks(layer.basis_k, HEADS), head_blocks(layer.basis_v, HEADS)
 
-    def rebuilt(coef, scale, blocks):
+    def rebuilt(coef, scale, tail, steps, plan, blocks):
         coef = coef.float() if scale is None else coef.float() * scale.float()
+        if tail is not None:
+            coef = torch.cat([coef, decode_tails(tail, steps, plan)], dim=-1)
         rows = coef[0][idx] if coef.shape[0] == 1 else torch.gather(
             coef, 1, idx.unsqueeze(-1).expand(-1, -1, coef.shape[-1]))
         return rows @ blocks.transpose(1, 2)
 
-    rebuilt_k = rebuilt(layer.coef_k, layer.scale_k, kb)
-    rebuilt_v = rebuilt(layer.coef_v, layer.scale_v, vb)
+    rebuilt_k = rebuilt(layer.coef_k, layer.scale_k, layer.tail_k, layer.tail_step_k, layer.plan_k, kb)
+    rebuilt_v = rebuilt(layer.coef_v, layer.scale_v, layer.tail_v, layer.tail_step_v, layer.plan_v, vb)
+    assert (layer.tail_k is not None) == (bands is not None)
     keys = torch.cat([layer.sink_k, layer.out_k, rebuilt_k, layer.buf_k], dim=1)
     values = torch.cat([layer.sink_v, layer.out_v, rebuilt_v, layer.buf_v], dim=1)
     expected = causal_attention(query, keys.unsqueeze(0), values.unsqueeze(0), DIM**-0.5)
@@ -149,13 +155,15 @@ def test_latent_attention_equals_reconstructing_attention(granularity, shared, c
 
 @pytest.mark.parametrize("scoring", ["query", "max", "mean", "summed"])
 @pytest.mark.parametrize("shared", [True, False])
-def test_a_token_planted_to_win_the_attention_is_selected(scoring, shared):
+@pytest.mark.parametrize("bands", [None, "8:2,4:3,2:3"])
+def test_a_token_planted_to_win_the_attention_is_selected(scoring, shared, bands):
     """With sparse reconstruction (recon_fraction < 1) and no outliers, a stored token whose key
-    matches the query is among the reconstructed ones, and dominates the output as it should."""
+    matches the query is among the reconstructed ones, and dominates the output as it should (with
+    coefficient bands the scoring sees only the int8 band)."""
     width = DIM * HEADS
     cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="int8", sample_tokens=None,
                     recon_fraction=0.05, outlier_fraction=0.0, scoring=scoring, local_window=4,
-                    shared_selection=shared)
+                    shared_selection=shared, coef_bands=bands)
     g = gen(9)
     tokens, planted = 400, 123
     keys = torch.randn(HEADS, tokens, DIM, generator=g) * 0.3
@@ -174,7 +182,11 @@ def test_a_token_planted_to_win_the_attention_is_selected(scoring, shared):
     # the output is (close to) the planted value, as in full attention
     all_k, all_v = torch.cat([keys, new[0]], 1)[None], torch.cat([values, new[0]], 1)[None]
     expected = causal_attention(query, all_k, all_v, DIM**-0.5)
-    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)  # int8 coefficients: ~1% off
+    if bands is None:
+        torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)  # int8 coefficients: ~1% off
+    else:  # these random values have a flat spectrum: the 2- and 4-bit bands round them coarsely
+        cos = torch.nn.functional.cosine_similarity(out.flatten(), expected.flatten(), dim=0)
+        assert cos > 0.9, float(cos)
 
 
 @pytest.mark.parametrize("scoring", ["query", "max", "summed"])
