@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from s4r.bench.tasks import Sample
-from s4r.bench.tuning import TUNING_VARIANTS, VariantResult, answer_nll, compare_variants
+from s4r.bench.tuning import TUNING_VARIANTS, VariantResult, answer_nll, compare_variants, perplexity_gaps
 from s4r.session import Session
 from tests.helpers import CharTokenizer
 from tests.test_methods import model_for
@@ -53,3 +53,13 @@ def test_compare_variants_pairs_every_variant_with_the_full_cache():
     gap = results["default"].gap(results["full"])
     assert gap.n == 2 and gap.low <= gap.mean <= gap.high
     assert VariantResult("x", {}, nll=[1.0, 2.0]).gap(VariantResult("f", {}, nll=[1.0, 1.0])).mean == 0.5
+
+
+def test_perplexity_gaps_fork_every_variant_from_one_prefill():
+    gaps = perplexity_gaps(_loaded(), {"int8": TUNING_VARIANTS["int8+out0.05"]}, length=1200, continuation=24,
+                           ratio=2.0)
+    assert set(gaps) == {"full", "int8"}
+    full_nll, full_ratio = gaps["full"]
+    nll, ratio = gaps["int8"]
+    assert full_ratio == 1.0 and ratio >= 2.0
+    assert full_nll > 0 and nll > 0 and nll != full_nll  # compression changed the continuation's loss

@@ -97,9 +97,18 @@ def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks:
     return results
 
 
-# the storage variants measured for the ratio-5 default (docs/notes-issue-7.md has the figures)
+# the storage variants measured for the ratio-5 default (docs/notes-issue-7.md: round 2, on plain int8
+# coefficients with 5% outliers; docs/notes-round3.md: the coefficient bands)
 TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
+    "int8+out0.05": {"coef_bands": None, "outlier_fraction": 0.05},  # the round-2 default
+    "int8+out0.15": {"coef_bands": None, "outlier_fraction": 0.15},
+    "bands134+out0.02": {"coef_bands": "8:1,4:3,2:4", "outlier_fraction": 0.02},
+    "bands134+out0.05": {"coef_bands": "8:1,4:3,2:4", "outlier_fraction": 0.05},
+    "bands134+out0.10": {"coef_bands": "8:1,4:3,2:4", "outlier_fraction": 0.10},
+    "bands233+out0.03": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.03},  # the round-3 default
+    "bands233+out0.06": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.06},
+    "bands233+out0.08": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.08},
     "attn-outliers": {"outlier_score": "attention"},
     "key_share=0.35": {"key_share": 0.35},
     "key_share=0.65": {"key_share": 0.65},
@@ -112,9 +121,42 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def perplexity_gaps(loaded: Any, variants: dict[str, dict[str, Any]], *, length: int, continuation: int,
+                    ratio: float = 5.0, method: str = "s4r",
+                    note: Callable[[str], None] | None = None) -> dict[str, tuple[float, float]]:
+    """(mean NLL, achieved ratio) of a `continuation`-token book continuation after `length` tokens of the
+    tuning book, read token by token through the full cache (key "full") and `method` with each variant;
+    every variant is forked from one prefill, so the gaps are paired."""
+    from s4r.bench.perplexity import context_and_continuation, token_nll
+    from s4r.generation import forward_tokens
+
+    tok = loaded.tokenizer
+    context, text, _ = context_and_continuation(
+        length, continuation, lambda s: len(tok.encode(s, add_special_tokens=False)))
+    staged = Session(loaded, method="full")
+    staged.ingest(context, compress=False)
+    ids = tok.encode(text, add_special_tokens=False)[:continuation]
+    out: dict[str, tuple[float, float]] = {}
+    for name, overrides in {"full": None, **variants}.items():
+        fork = (staged.fork(method="full", ratio=1.0) if name == "full" else
+                staged.fork(method=method, ratio=ratio, config_overrides=overrides))
+        start, nll, logits = fork.logical_length, [], None
+        with torch.inference_mode():
+            for i, token in enumerate(ids):
+                if logits is not None:
+                    nll.append(token_nll(logits, token))
+                logits = forward_tokens(fork.model, fork.cache, torch.tensor([[token]], device=fork.device),
+                                        start + i)
+        out[name] = (sum(nll) / len(nll), fork.memory().ratio)
+        if note is not None:
+            note(f"{name}: NLL {out[name][0]:.4f}, gap {out[name][0] - out['full'][0]:+.4f}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m s4r.bench.tuning [--length 4096] [--samples 4] [--variants a,b] [--json PATH]`: the
-    tuning runs that choose S4R's defaults (needle tasks of the tuning book, answer NLL at ratio 5)."""
+    """`python -m s4r.bench.tuning [--length 4096] [--samples 4] [--seed 0] [--variants a,b] [--json PATH]`:
+    the tuning runs that choose S4R's defaults (needle tasks of the tuning book, answer NLL at ratio 5);
+    with `--perplexity N`, the NLL gap of an N-token continuation after `--length` tokens instead."""
     import argparse
     import json
 
@@ -126,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=5.0)
     parser.add_argument("--tasks", default="niah_single_book,niah_multikey")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
+    parser.add_argument("--perplexity", type=int, default=0, metavar="N",
+                        help="measure the NLL gap of an N-token continuation instead of answer NLLs")
     parser.add_argument("--variants", default=",".join(TUNING_VARIANTS), help="names of TUNING_VARIANTS")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -135,9 +180,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TUNING_VARIANTS)}")
     loaded = load_model(args.model)
     t0 = time.perf_counter()
+
+    def note(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:.0f} s] {message}", flush=True)
+
+    if args.perplexity:
+        gaps = perplexity_gaps(loaded, {n: TUNING_VARIANTS[n] for n in names}, length=args.length,
+                               continuation=args.perplexity, ratio=args.ratio, note=note)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({n: {"nll": v[0], "gap": v[0] - gaps["full"][0], "ratio": v[1]}
+                           for n, v in gaps.items()}, f, indent=1)
+        return
     results = compare_variants(loaded, {n: TUNING_VARIANTS[n] for n in names}, tasks=args.tasks.split(","),
-                               length=args.length, samples=args.samples, ratio=args.ratio,
-                               note=lambda m: print(f"[{time.perf_counter() - t0:.0f} s] {m}", flush=True))
+                               length=args.length, samples=args.samples, ratio=args.ratio, seed=args.seed,
+                               note=note)
     full = results["full"]
     doc = {}
     for name, res in results.items():
