@@ -8,7 +8,8 @@ import torch
 
 from .coef_bands import encode_coefficients
 from .config import S4RConfig
-from .layers import LowRankLayer, project_queries, to_groups
+from .layers import project_queries, to_groups
+from .lowrank import LowRankLayer
 from .rope import RopeFn, undo_rope
 from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, relative_residual
 

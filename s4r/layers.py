@@ -221,8 +221,5 @@ def project_queries(queries: torch.Tensor, basis_k: torch.Tensor) -> torch.Tenso
     return torch.matmul(queries.float(), head_blocks(basis_k, queries.shape[0]).float())
 
 
-# the S4R layer lives in its own module; imported last because it builds on the classes above
-from .lowrank import LowRankLayer  # noqa: E402
-
-__all__ = ["CacheLayer", "FullLayer", "LowRankLayer", "StagingLayer", "head_blocks", "project_queries",
+__all__ = ["CacheLayer", "FullLayer", "StagingLayer", "head_blocks", "project_queries",
            "tensor_bytes", "to_groups"]

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from .cache import CompressedCache
 from .errors import CacheFileError
 from .eviction import EvictedLayer
-from .layers import CacheLayer, FullLayer, LowRankLayer, StagingLayer
+from .layers import CacheLayer, FullLayer, StagingLayer
+from .lowrank import LowRankLayer
 from .quant_layer import QuantLayer
 from .rope import RopeFn
 
