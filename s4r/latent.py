@@ -91,13 +91,16 @@ def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
 
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
                      value_rows: torch.Tensor, value_scale: torch.Tensor | None,
-                     value_blocks: torch.Tensor) -> torch.Tensor:
+                     value_blocks: torch.Tensor,
+                     tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One softmax over exact and latent tokens; output [H, M, d] in fp32.
 
     exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
     the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_v] (scales
     [H or 1, k]; 1: the same tokens for every head);
-    value_blocks [H, d, r_v] is each KV head's block of the value basis.
+    value_blocks [H, d, r_v] is each KV head's block of the value basis. `tail`: more value coefficients
+    of the same tokens on more basis columns (fp32 rows [H or 1, k, r_t], blocks [H, d, r_t]), the lower
+    coefficient bands.
     """
     e = exact_logits.shape[-1]
     probs = torch.softmax(torch.cat([exact_logits, sel_logits], dim=-1), dim=-1)
@@ -116,4 +119,13 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
         else:
             z = torch.matmul(p_sel.to(dtype), rows).float()  # [H, M, r_v]
         out += torch.matmul(z, value_blocks.float().transpose(1, 2))
+        if tail is not None:  # the probabilities themselves: the int8 scales above belong to the lead rows
+            tail_rows, tail_blocks = tail
+            p_tail = probs[..., e:]
+            if tail_rows.shape[0] == 1:
+                heads, m, k = p_tail.shape
+                z = torch.matmul(p_tail.reshape(heads * m, k), tail_rows[0]).view(heads, m, -1)
+            else:
+                z = torch.matmul(p_tail, tail_rows)
+            out += torch.matmul(z, tail_blocks.float().transpose(1, 2))
     return out

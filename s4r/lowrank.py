@@ -313,19 +313,20 @@ class LowRankLayer(LatentSelection, CacheLayer):
         mask = causal_mask(q_len, e, e - self._n_buf, query.device)
         if mask is not None:
             exact_logits.masked_fill_(~mask.repeat(n_rep, 1), float("-inf"))
-        n = self._n
+        n, tail = self._n, None
         if n:
             idx, sel_logits = self._select_and_score(qf, exact_logits, q_len, scaling)
-            if self._tv is None:
-                value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
-                                                            self._sv[:, :n], idx)
-            else:
-                value_rows, value_scale = self._rows(idx, keys=False), None
+            value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
+                                                        self._sv[:, :n], idx)
+            if self._tv is not None:  # the lower bands join as extra value columns
+                tail = (self._tail_rows(idx, keys=False), head_blocks(self.basis_v[..., self.plan_v.lead :],
+                                                                      heads))
         else:
             sel_logits = exact_logits.new_empty(heads, rows, 0)
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
+        lead_basis = self.basis_v if self._tv is None else self.basis_v[..., : self.plan_v.lead]
         out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
-                               head_blocks(self.basis_v, heads))
+                               head_blocks(lead_basis, heads), tail)
         # a question longer than the buffer would hold the cache over its ratio until the next step
         self.fold_buffer()
         return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)

@@ -19,6 +19,13 @@ from .selection import latent_scores, pool_scores, select_tokens, update_relevan
 MIN_SPARE = 64
 
 
+def mul_rows(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """q [H, M, r] times the rows [H or 1, k, r] of each head (1: shared by every head): [H, M, k]."""
+    if rows.shape[0] == 1:
+        return torch.matmul(q, rows[0].transpose(0, 1))
+    return torch.matmul(q, rows.transpose(1, 2))
+
+
 class LatentSelection:
     """Scoring, selection and the selected tokens' logits of a `LowRankLayer` (a mixin of it)."""
 
@@ -60,15 +67,14 @@ class LatentSelection:
             idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
         if self.cfg.key_space == "pre_rope":
             return idx, self._rebuilt_key_logits(qf, idx, scaling)
-        if self._tk is not None:  # the selected tokens' logits over every band, not just the scoring one
-            rows = self._rows(idx, keys=True)
-            if rows.shape[0] == 1:
-                return idx, torch.matmul(q_full, rows[0].transpose(0, 1)).mul_(scaling)
-            return idx, torch.matmul(q_full, rows.transpose(1, 2)).mul_(scaling)
         if full_logits is not None:
             heads, rows, _ = full_logits.shape
-            return idx, torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
-        return idx, gathered_logits(q_lat, coef_t, scale_k, idx, scaling)
+            logits = torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
+        else:
+            logits = gathered_logits(q_lat, coef_t, scale_k, idx, scaling)
+        if self._tk is not None:  # the lower bands' share of the selected tokens' logits
+            logits += mul_rows(q_full[..., self.plan_k.lead :], self._tail_rows(idx, keys=True)).mul_(scaling)
+        return idx, logits
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
         """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
@@ -84,21 +90,24 @@ class LatentSelection:
         coef, scale = (self.coef_k, self._sk) if keys else (self.coef_v, self._sv)
         rows, sc = gather_value_rows(coef, None if scale is None else scale[:, :n], idx)
         rows = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
-        codes, steps = (self._tk, self._tsk) if keys else (self._tv, self._tsv)
-        if codes is None:
+        if (self._tk if keys else self._tv) is None:
             return rows
+        return torch.cat([rows, self._tail_rows(idx, keys)], dim=-1)
+
+    def _tail_rows(self, idx: torch.Tensor, keys: bool) -> torch.Tensor:
+        """fp32 lower-band coefficients [H or 1, k, r - lead] of the stored tokens `idx` [H or 1, k]."""
+        n = self._n
+        codes, steps = (self._tk, self._tsk) if keys else (self._tv, self._tsv)
         plan = self.plan_k if keys else self.plan_v
-        heads, k = idx.shape
         if codes.shape[0] == 1:
             flat = idx.reshape(-1)
             tail = decode_tails(codes[0, :n].index_select(0, flat), steps[0, :n].index_select(0, flat), plan)
-            tail = tail.view(heads, k, -1)
-        else:
-            def pick(t: torch.Tensor) -> torch.Tensor:
-                return torch.gather(t[:, :n], 1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+            return tail.view(*idx.shape, -1)
 
-            tail = decode_tails(pick(codes), pick(steps), plan)
-        return torch.cat([rows, tail], dim=-1)
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return torch.gather(t[:, :n], 1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+        return decode_tails(pick(codes), pick(steps), plan)
 
     def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
         q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
