@@ -246,11 +246,10 @@ class LowRankLayer(LatentSelection, CacheLayer):
         if self.cfg.key_space == "pre_rope":
             start = self.sinks + self._n
             k = undo_rope(k, *self._rope(torch.arange(start, start + n)))
+        picks = self._new_outliers(k, v)
         first = self._n
         ck, sk, tk, tsk = self._encode(k, self.basis_k)
         cv, sv, tv, tsv = self._encode(v, self.basis_v)
-        spare = self._spare_exact_tokens(n, tensor_bytes(ck, sk, cv, sv, tk, tsk, tv, tsv))
-        picks = self._new_outliers(k, v, spare)
         self._append_coefs(ck, sk, cv, sv, (tk, tsk, tv, tsv))
         # workspace: sinks | outliers | buffer -> sinks | outliers | new outliers | rest of the buffer
         start, o, rest = self.sinks + self._n_out, picks.numel(), self._n_buf - n
@@ -264,24 +263,10 @@ class LowRankLayer(LatentSelection, CacheLayer):
             self._n_out += o
         self._n_buf = rest
 
-    def _spare_exact_tokens(self, n: int, coef_bytes: int) -> int:
-        """How many of `n` tokens being folded (their coefficients take `coef_bytes`) could stay exact
-        with the ratio still held once the buffer refills to its cap: the bases were planned for the
-        first document, so a long append leaves bytes the ratio allows unspent."""
-        if self.cfg.ratio is None:
-            return 0
-        token = 2 * self.heads * self.head_dim * self._ek.element_size()
-        rest = self._n_buf - n
-        allowed = self.logical * token / self.cfg.ratio - (self.cfg.buffer_tokens - rest) * token
-        # after the fold: + the coefficients, - the n buffer tokens, + each kept token again (+ its index)
-        free = allowed - (self.nbytes() + coef_bytes - n * token)
-        return max(0, min(n, int(free // (token + 4))))
-
-    def _new_outliers(self, k: torch.Tensor, v: torch.Tensor, spare: int = 0) -> torch.Tensor:
-        """Which of the tokens being folded stay exact: the same share as at compression (or more, where
-        the ratio leaves `spare` room), the ones the bases represent worst, so a second document or a
-        long chat keeps its rare tokens (a needle)."""
-        count = min(k.shape[1], max(self.cfg.outlier_count(k.shape[1]), spare))
+    def _new_outliers(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Which of the tokens being folded stay exact: the same share as at compression, the ones the
+        bases represent worst, so a second document or a long chat keeps its rare tokens (a needle)."""
+        count = self.cfg.outlier_count(k.shape[1])
         if not count:
             return torch.zeros(0, dtype=torch.long, device=k.device)
         groups = self.basis_k.shape[0]
