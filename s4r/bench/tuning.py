@@ -122,17 +122,18 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def perplexity_gaps(loaded: Any, variants: dict[str, dict[str, Any]], *, length: int, continuation: int,
-                    ratio: float = 5.0, method: str = "s4r",
+                    ratio: float = 5.0, method: str = "s4r", book: str = TUNING_BOOK,
                     note: Callable[[str], None] | None = None) -> dict[str, tuple[float, float]]:
-    """(mean NLL, achieved ratio) of a `continuation`-token book continuation after `length` tokens of the
-    tuning book, read token by token through the full cache (key "full") and `method` with each variant;
-    every variant is forked from one prefill, so the gaps are paired."""
-    from s4r.bench.perplexity import context_and_continuation, token_nll
+    """(mean NLL, achieved ratio) of a `continuation`-token continuation after `length` tokens of `book`
+    (the tuning book unless told), read token by token through the full cache (key "full") and `method`
+    with each variant; every variant is forked from one prefill, so the gaps are paired."""
+    from s4r.bench.perplexity import token_nll
+    from s4r.bench.scoring import perplexity_text
     from s4r.generation import forward_tokens
 
     tok = loaded.tokenizer
-    context, text, _ = context_and_continuation(
-        length, continuation, lambda s: len(tok.encode(s, add_special_tokens=False)))
+    context, text = perplexity_text(length, lambda s: len(tok.encode(s, add_special_tokens=False)),
+                                    continuation_tokens=continuation, book=book)
     staged = Session(loaded, method="full")
     staged.ingest(context, compress=False)
     ids = tok.encode(text, add_special_tokens=False)[:continuation]
@@ -169,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ratio", type=float, default=5.0)
     parser.add_argument("--tasks", default="niah_single_book,niah_multikey")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
+    parser.add_argument("--book", default=TUNING_BOOK,
+                        help="haystack and perplexity text (default: the tuning book)")
     parser.add_argument("--perplexity", type=int, default=0, metavar="N",
                         help="measure the NLL gap of an N-token continuation instead of answer NLLs")
     parser.add_argument("--variants", default=",".join(TUNING_VARIANTS), help="names of TUNING_VARIANTS")
@@ -186,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if args.perplexity:
         gaps = perplexity_gaps(loaded, {n: TUNING_VARIANTS[n] for n in names}, length=args.length,
-                               continuation=args.perplexity, ratio=args.ratio, note=note)
+                               continuation=args.perplexity, ratio=args.ratio, book=args.book, note=note)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({n: {"nll": v[0], "gap": v[0] - gaps["full"][0], "ratio": v[1]}
@@ -194,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     results = compare_variants(loaded, {n: TUNING_VARIANTS[n] for n in names}, tasks=args.tasks.split(","),
                                length=args.length, samples=args.samples, ratio=args.ratio, seed=args.seed,
-                               note=note)
+                               book=args.book, note=note)
     full = results["full"]
     doc = {}
     for name, res in results.items():
