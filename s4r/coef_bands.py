@@ -4,7 +4,7 @@ An SVD basis orders its columns by energy, so the coefficients of a token shrink
 every column the same 8 bits (or cutting the rank where the bytes run out) spends bits where they buy
 little. Transform coding spends them by variance instead: the first columns in int8 (they also score
 tokens in latent space), the next ones in 4 bits, the tail in 2 bits. At the same bytes this keeps about
-twice the rank of int8 coefficients and halves the value error (measured: docs/notes-issue-7.md).
+twice the rank of int8 coefficients (measured effect on answers and perplexity: docs/notes-round3.md).
 
 The int8 band is stored as before (symmetric, per-token absmax scale, token axis where the latent
 logits want it). Each lower band is a uniform mid-rise quantizer per token with a step proportional to

@@ -52,8 +52,8 @@ class S4RConfig:
     # bit widths of int8 coefficients along the rank as "bits:share,...": "8:2,4:3,2:3" keeps the leading
     # quarter of the columns in int8 (they score tokens), the next 3/8 in 4 bits, the rest in 2 bits (see
     # coef_bands.py); None keeps every column in int8. Ignored with coef_dtype "model". Chosen with
-    # outlier_fraction 0.03 on the tuning book (docs/notes-round3.md): at ratio 5 it halves the 8k
-    # perplexity gap of plain int8 coefficients with 5% outliers, needle answers as good or better
+    # outlier_fraction 0.03 on the tuning book; on the held-out book at ratio 5 the 7.6k perplexity gap
+    # fell from +0.125 to +0.045 nats against int8 with 5% outliers (docs/notes-round3.md)
     coef_bands: str | None = "8:2,4:3,2:3"
 
     # decode
