@@ -171,27 +171,32 @@ class LowRankLayer(LatentSelection, CacheLayer):
     def scale_v(self) -> torch.Tensor | None:
         return None if self._sv is None else self._sv[:, : self._n].unsqueeze(-1)
 
+    def _stored(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The stored tokens' part of a per-token store (token axis 1), or None."""
+        return None if t is None else t[:, : self._n]
+
     @property
     def tail_k(self) -> torch.Tensor | None:
         """[G, N, bytes] packed codes of the lower key bands (None without `coef_bands`)."""
-        return None if self._tk is None else self._tk[:, : self._n]
+        return self._stored(self._tk)
 
     @property
     def tail_v(self) -> torch.Tensor | None:
-        return None if self._tv is None else self._tv[:, : self._n]
+        return self._stored(self._tv)
 
     @property
     def tail_step_k(self) -> torch.Tensor | None:
-        return None if self._tsk is None else self._tsk[:, : self._n]
+        """[G, N, bands] steps of the lower key bands."""
+        return self._stored(self._tsk)
 
     @property
     def tail_step_v(self) -> torch.Tensor | None:
-        return None if self._tsv is None else self._tsv[:, : self._n]
+        return self._stored(self._tsv)
 
     @property
     def relevance(self) -> torch.Tensor | None:
         """[H, N] relevance of every stored token (None unless `max`/`mean` scoring has seen a query)."""
-        return None if self._rel is None else self._rel[:, : self._n]
+        return self._stored(self._rel)
 
     # --- sizes -----------------------------------------------------------------------------------
     @property

@@ -126,10 +126,11 @@ def perplexity_gaps(loaded: Any, variants: dict[str, dict[str, Any]], *, length:
                     note: Callable[[str], None] | None = None) -> dict[str, tuple[float, float]]:
     """(mean NLL, achieved ratio) of a `continuation`-token continuation after `length` tokens of `book`
     (the tuning book unless told), read token by token through the full cache (key "full") and `method`
-    with each variant; every variant is forked from one prefill, so the gaps are paired."""
-    from s4r.bench.perplexity import token_nll
+    with each variant; every variant is forked from one prefill and fed the continuation interleaved (as
+    the bench does), so the gaps are paired."""
+    from s4r.bench.perplexity import NLLMeter, token_nll
     from s4r.bench.scoring import perplexity_text
-    from s4r.generation import forward_tokens
+    from s4r.bench.speed import teacher_force
 
     tok = loaded.tokenizer
     context, text = perplexity_text(length, lambda s: len(tok.encode(s, add_special_tokens=False)),
@@ -137,20 +138,21 @@ def perplexity_gaps(loaded: Any, variants: dict[str, dict[str, Any]], *, length:
     staged = Session(loaded, method="full")
     staged.ingest(context, compress=False)
     ids = tok.encode(text, add_special_tokens=False)[:continuation]
-    out: dict[str, tuple[float, float]] = {}
-    for name, overrides in {"full": None, **variants}.items():
-        fork = (staged.fork(method="full", ratio=1.0) if name == "full" else
-                staged.fork(method=method, ratio=ratio, config_overrides=overrides))
-        start, nll, logits = fork.logical_length, [], None
-        with torch.inference_mode():
-            for i, token in enumerate(ids):
-                if logits is not None:
-                    nll.append(token_nll(logits, token))
-                logits = forward_tokens(fork.model, fork.cache, torch.tensor([[token]], device=fork.device),
-                                        start + i)
-        out[name] = (sum(nll) / len(nll), fork.memory().ratio)
-        if note is not None:
-            note(f"{name}: NLL {out[name][0]:.4f}, gap {out[name][0] - out['full'][0]:+.4f}")
+    names = ["full", *variants]
+    forks = [staged.fork(method="full", ratio=1.0) if name == "full" else
+             staged.fork(method=method, ratio=ratio, config_overrides=variants[name]) for name in names]
+    meters = [NLLMeter() for _ in forks]
+
+    def on_logits(j: int, i: int, logits: torch.Tensor) -> None:
+        if i + 1 < len(ids):
+            meters[j].add(token_nll(logits, ids[i + 1]))
+
+    teacher_force(forks, ids, warmup=0, on_logits=on_logits)
+    out = {name: (meter.mean, fork.memory().ratio)
+           for name, meter, fork in zip(names, meters, forks, strict=True)}
+    if note is not None:
+        for name, (nll, _) in out.items():
+            note(f"{name}: NLL {nll:.4f}, gap {nll - out['full'][0]:+.4f}")
     return out
 
 
