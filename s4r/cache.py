@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache
 
 from .budget import KVShape
 from .layers import CacheLayer, FullLayer, StagingLayer
+from .segments import settle_appended
 
 
 class CompressedCache(Cache):
@@ -113,11 +114,25 @@ class CompressedCache(Cache):
         """The longest length every layer holds (after an interrupted forward, layers may differ)."""
         return min(layer.get_seq_length() for layer in self.layers)
 
-    def fold_buffer(self) -> None:
-        """Fold oversized buffers into coefficients (after appending a long text)."""
+    def begin_append(self) -> None:
+        """Keep the text about to be appended exact in the compressed layers' buffers until
+        `settle_layer` (so a long one can get bases of its own, `s4r.segments`)."""
         for layer in self.layers:
-            if hasattr(layer, "fold_buffer"):
-                layer.fold_buffer()
+            if hasattr(layer, "collecting"):
+                layer.collecting = True
+
+    def settle_layer(self, i: int) -> None:
+        """Layer `i` has the whole appended text: store it (a segment of its own, or folded)."""
+        layer = self.layers[i]
+        if hasattr(layer, "collecting"):
+            self.layers[i] = settle_appended(layer, self.shape)
+        elif hasattr(layer, "fold_buffer"):
+            layer.fold_buffer()
+
+    def fold_buffer(self) -> None:
+        """Settle every layer after appending a text (oversized buffers folded into coefficients)."""
+        for i in range(len(self.layers)):
+            self.settle_layer(i)
 
 
 def staged_tensors(layer: StagingLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

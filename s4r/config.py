@@ -77,6 +77,9 @@ class S4RConfig:
     # coefficients with the existing bases (in batches of `fold_tokens`)
     buffer_tokens: int = 64
     fold_tokens: int = 32
+    # an appended text of at least this many tokens (a second document) gets bases of its own instead of
+    # being folded into the first document's (`s4r.segments`); 0 folds every append
+    segment_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.ratio is not None:
@@ -107,16 +110,19 @@ class S4RConfig:
             parse_band_spec(self.coef_bands)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
             raise ValueError("need 1 <= fold_tokens <= buffer_tokens")
+        if self.segment_tokens < 0:
+            raise ValueError("segment_tokens must be >= 0 (0: appended text folds into the first bases)")
 
     @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
         """The paper's literal settings: fixed K/V ranks split evenly, coefficients in the model's dtype,
-        no outliers, W=32, kernel 7, p = 1/ratio. What it leaves open (key space, granularity, sample
-        size) takes the ShadowKV/xKV choice or ours."""
+        no outliers, W=32, kernel 7, p = 1/ratio, one set of bases per layer (appended text folds into
+        them). What it leaves open (key space, granularity, sample size) takes the ShadowKV/xKV choice
+        or ours."""
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
                    coef_bands=None, outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
-                   scoring="summed")
+                   scoring="summed", segment_tokens=0)
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""

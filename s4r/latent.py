@@ -92,18 +92,24 @@ def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
                      value_rows: torch.Tensor, value_scale: torch.Tensor | None,
                      value_blocks: torch.Tensor,
-                     tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One softmax over exact and latent tokens; output [H, M, d] in fp32.
+                     tail: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                     with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One softmax over exact and latent tokens: (output [H, M, d] in fp32, the logsumexp of the
+    logits [H, M] when `with_lse`, else None).
 
     exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
     the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_v] (scales
     [H or 1, k]; 1: the same tokens for every head);
     value_blocks [H, d, r_v] is each KV head's block of the value basis. `tail`: more value coefficients
     of the same tokens on more basis columns (fp32 rows [H or 1, k, r_t], blocks [H, d, r_t]), the lower
-    coefficient bands.
+    coefficient bands. The logsumexp lets attention over several token sets (segments of a cache with
+    bases of their own) be merged exactly (`merge_partial_attention`).
     """
     e = exact_logits.shape[-1]
-    probs = torch.softmax(torch.cat([exact_logits, sel_logits], dim=-1), dim=-1)
+    logits = torch.cat([exact_logits, sel_logits], dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    # from the largest probability: p_max = exp(max - lse), and p_max >= 1/n cannot underflow
+    lse = logits.amax(dim=-1) - probs.amax(dim=-1).log() if with_lse else None
     p_exact, p_sel = probs[..., :e], probs[..., e:]
     # fp32 except the one product over many selected rows (bf16 when the model is: the int8 rows are
     # cast once, no fp32 copy); small bf16 matmuls cost more in call overhead than fp32 ones on CPU
@@ -128,4 +134,11 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
             else:
                 z = torch.matmul(p_tail, tail_rows)
             out += torch.matmul(z, tail_blocks.float().transpose(1, 2))
-    return out
+    return out, lse
+
+
+def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Attention over the union of disjoint token sets from each set's own softmax output [H, M, d] and
+    logsumexp [H, M]: each output weighted by its set's share of the total softmax mass."""
+    weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # [S, H, M, 1]
+    return (torch.stack(outs) * weights).sum(dim=0)

@@ -117,8 +117,8 @@ def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: in
             compress()
         elif fresh:
             cache.release_layer(i)
-        elif hasattr(cache.layers[i], "fold_buffer"):
-            cache.layers[i].fold_buffer()
+        else:
+            cache.settle_layer(i)
         if after_layer is not None:
             after_layer()
         # the next layer's storage only once this one is compressed and freed

@@ -23,36 +23,13 @@ import torch
 from .attention import causal_mask, handoff
 from .coef_bands import Encoded, encode_coefficients, plan_bands
 from .config import S4RConfig
+from .growable import cloned, contiguous, grown
 from .latent import gather_value_rows, merged_attention
 from .layers import CacheLayer, head_blocks, tensor_bytes, to_groups
-from .lowrank_selection import MIN_SPARE, LatentSelection
+from .lowrank_selection import LatentSelection
 from .rope import RopeFn, undo_rope
 from .selection import decay_factor
 from .subspace import project, relative_residual
-
-
-def grown(t: torch.Tensor, dim: int, used: int, need: int) -> torch.Tensor:
-    """`t` if its `dim` holds `need` slots, else a larger copy (first `used` slots kept, spare added).
-
-    Also copies a tensor made under inference mode when written outside it (e.g. `generate` after a
-    compression in `inference_mode`), which torch forbids updating in place."""
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        t = t.clone()
-    if t.shape[dim] >= need:
-        return t
-    shape = list(t.shape)
-    shape[dim] = need + max(MIN_SPARE, need // 16)
-    bigger = t.new_empty(shape)
-    bigger.narrow(dim, 0, used).copy_(t.narrow(dim, 0, used))
-    return bigger
-
-
-def _cloned(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
-
-
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
 
 
 class LowRankLayer(LatentSelection, CacheLayer):
@@ -90,8 +67,8 @@ class LowRankLayer(LatentSelection, CacheLayer):
         # lower coefficient bands (coef_bands): packed codes [G, N, bytes] and steps [G, N, bands]
         self.plan_k = plan_bands(basis_k.shape[-1], cfg.bands)
         self.plan_v = plan_bands(basis_v.shape[-1], cfg.bands)
-        self._tk, self._tv = _contiguous(tail_k), _contiguous(tail_v)
-        self._tsk, self._tsv = _contiguous(tail_step_k), _contiguous(tail_step_v)
+        self._tk, self._tv = contiguous(tail_k), contiguous(tail_v)
+        self._tsk, self._tsv = contiguous(tail_step_k), contiguous(tail_step_v)
         if bool(self.plan_k.tails) != (tail_k is not None) or bool(self.plan_v.tails) != (tail_v is not None):
             raise ValueError("coefficient bands do not match the configuration's coef_bands")
         # [Hq, W, r_k]: the prompt's last queries, until they seed relevance (`query` scoring needs none)
@@ -102,6 +79,8 @@ class LowRankLayer(LatentSelection, CacheLayer):
         self._prompt_coefs = n  # where the prompt's last queries (query_coef) sat
         self.selected: torch.Tensor | None = None  # [H, k] stored tokens the last step attended (inspection)
         self.logical = self.sinks + n
+        # while True an appended document stays exact in the buffer (no folds) until it is settled
+        self.collecting = False
 
     # --- exact workspace: sinks | outliers | buffer -----------------------------------------------
     def _set_exact(self, sink_k, sink_v, out_k, out_v, buf_k, buf_v) -> None:
@@ -149,7 +128,7 @@ class LowRankLayer(LatentSelection, CacheLayer):
 
     def set_buffer(self, buf_k: torch.Tensor, buf_v: torch.Tensor) -> None:
         """Replace the buffer of new tokens (a loaded cache) and recount the logical length."""
-        self._set_exact(self.sink_k.clone(), self.sink_v.clone(), _cloned(self.out_k), _cloned(self.out_v),
+        self._set_exact(self.sink_k.clone(), self.sink_v.clone(), cloned(self.out_k), cloned(self.out_v),
                         buf_k, buf_v)
         self.logical = self.stored_length()
 
@@ -202,6 +181,11 @@ class LowRankLayer(LatentSelection, CacheLayer):
     @property
     def stored_coefs(self) -> int:
         return self._n
+
+    @property
+    def buffered(self) -> int:
+        """Tokens in the exact buffer of new tokens."""
+        return self._n_buf
 
     def stored_length(self) -> int:
         return self.sinks + self._n + self._n_buf
@@ -287,7 +271,7 @@ class LowRankLayer(LatentSelection, CacheLayer):
         self._ek = grown(self._ek, 1, self.exact_length, self.exact_length)  # writable here
         self._ev = grown(self._ev, 1, self.exact_length, self.exact_length)
         excess = self._n_buf + q - self.cfg.buffer_tokens
-        if excess > 0:
+        if excess > 0 and not self.collecting:
             step = self.cfg.fold_tokens
             self._fold(min(self._n_buf, math.ceil(excess / step) * step))
         end = self.exact_length
@@ -302,13 +286,27 @@ class LowRankLayer(LatentSelection, CacheLayer):
         return keys, self._ev[:, : end + q].unsqueeze(0)
 
     def fold_buffer(self) -> None:
-        """Fold the buffer down to its cap (after a long appended document)."""
+        """Fold the buffer down to its cap (after a long appended document; not while one is collected)."""
         excess = self._n_buf - self.cfg.buffer_tokens
-        if excess > 0:
+        if excess > 0 and not self.collecting:
             self._fold(excess)
+
+    def drop_buffer(self) -> None:
+        """Forget the buffer's tokens (an appended document now stored in a segment of its own,
+        `s4r.segments`)."""
+        self.logical -= self._n_buf
+        self._n_buf = 0
 
     def attend(self, query, key, value, scaling):
         q_heads, q_len = query.shape[1], query.shape[2]
+        out, _ = self.attend_folded(query, scaling)
+        return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
+
+    def attend_folded(self, query: torch.Tensor, scaling: float, *,
+                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of `query` [1, Hq, q, d] over this layer's tokens, query heads folded per KV head:
+        (fp32 output [H, group*q, d], logsumexp [H, group*q] when `with_lse`), see `merged_attention`."""
+        q_len = query.shape[2]
         heads, n_rep = self.heads, query.shape[1] // self.heads
         rows = n_rep * q_len
         # folded (row j*q + i = head j, position i), fp32: the query is small, its logits need precision
@@ -331,10 +329,10 @@ class LowRankLayer(LatentSelection, CacheLayer):
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
         lead_basis = self.basis_v if self._tv is None else self.basis_v[..., : self.plan_v.lead]
         out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
-                               head_blocks(lead_basis, heads), tail)
+                               head_blocks(lead_basis, heads), tail, with_lse=with_lse)
         # a question longer than the buffer would hold the cache over its ratio until the next step
         self.fold_buffer()
-        return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
+        return out
 
     # --- truncation ---------------------------------------------------------------------------------
     def _forget_queries(self, removed: int) -> None:
@@ -348,6 +346,7 @@ class LowRankLayer(LatentSelection, CacheLayer):
             self.query_coef, self._rel = None, None
 
     def truncate(self, logical: int) -> None:
+        self.collecting = False  # an interrupted append is rolled back by this truncation
         logical = max(self.sinks, min(self.logical, logical))
         if logical < self.logical:
             self._forget_queries(self.logical - logical)
@@ -360,7 +359,7 @@ class LowRankLayer(LatentSelection, CacheLayer):
             self.out_idx = self.out_idx[keep]
             out_k, out_v = out_k[:, keep], out_v[:, keep]
         if drop_out:
-            self._set_exact(self.sink_k.clone(), self.sink_v.clone(), _cloned(out_k), _cloned(out_v),
+            self._set_exact(self.sink_k.clone(), self.sink_v.clone(), cloned(out_k), cloned(out_v),
                             self.buf_k[:, :keep_buf].clone(), self.buf_v[:, :keep_buf].clone())
         self._n_buf = min(self._n_buf, keep_buf)  # the workspace keeps its room
         if keep_coef < self._n:

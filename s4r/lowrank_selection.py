@@ -10,13 +10,11 @@ from __future__ import annotations
 import torch
 
 from .coef_bands import decode_tails
+from .growable import MIN_SPARE
 from .latent import gather_value_rows, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
 from .rope import apply_rope, undo_rope
 from .selection import latent_scores, pool_scores, select_tokens, update_relevance
-
-# spare token slots when a store grows: the larger of this and 1/16 of what it holds
-MIN_SPARE = 64
 
 
 def mul_rows(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

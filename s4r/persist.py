@@ -25,11 +25,13 @@ from .layers import CacheLayer, FullLayer, StagingLayer
 from .lowrank import LowRankLayer
 from .quant_layer import QuantLayer
 from .rope import RopeFn
+from .segments import SegmentedLayer
 
 FORMAT = "s4r-cache/2"
 # every kind of layer a file may hold, by the name it is saved under
 LAYER_KINDS: dict[str, type[CacheLayer]] = {
-    cls.kind: cls for cls in (FullLayer, StagingLayer, LowRankLayer, EvictedLayer, QuantLayer)}
+    cls.kind: cls
+    for cls in (FullLayer, StagingLayer, LowRankLayer, SegmentedLayer, EvictedLayer, QuantLayer)}
 
 
 def _checksum(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> str:

@@ -187,6 +187,8 @@ class Session:
             self.cache = self._new_cache()
             self._staged_ids = list(ids)  # methods that re-read the prompt (kvzip) need its ids
         start = self.logical_length
+        if not fresh:
+            self.cache.begin_append()
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -210,7 +212,8 @@ class Session:
                 self.cache = None
                 raise
         elif not fresh:
-            self.cache.fold_buffer()
+            with torch.inference_mode():  # the collected text joins tensors made in inference mode
+                self.cache.fold_buffer()
         t2 = time.perf_counter()
         # the freed staging buffers go back to the OS instead of staying in the process's heap
         release_freed_memory(self.device)

@@ -1,0 +1,153 @@
+"""A long appended text (a second document) gets bases of its own: `s4r.segments`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from s4r.budget import KVShape
+from s4r.compress import compress_layer
+from s4r.config import S4RConfig
+from s4r.latent import merge_partial_attention
+from s4r.lowrank import LowRankLayer
+from s4r.segments import SegmentedLayer, settle_appended
+from s4r.session import Session
+from tests.helpers import CharTokenizer, tiny_model
+
+HEADS, DIM, Q_HEADS = 2, 16, 4
+SHAPE = KVShape(layers=1, kv_heads=HEADS, q_heads=Q_HEADS, head_dim=DIM, dtype_bytes=4)
+
+
+def _in_subspace(basis: torch.Tensor, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """[HEADS, tokens, DIM] vectors whose concatenated heads lie in `basis`'s span."""
+    flat = torch.randn(tokens, basis.shape[1], generator=gen) @ basis.T
+    return flat.view(tokens, HEADS, DIM).transpose(0, 1).contiguous()
+
+
+def _exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention of one query [1, Hq, 1, d] over every key (GQA, no mask: the query comes last)."""
+    rep = Q_HEADS // HEADS
+    k, v = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+    probs = torch.softmax(query[0] @ k.transpose(1, 2) / DIM**0.5, dim=-1)
+    return (probs @ v).unsqueeze(0)
+
+
+def test_merged_partial_attention_is_one_softmax_over_the_union():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 10, generator=gen) * 4
+    values = torch.randn(2, 10, 5, generator=gen)
+    whole = torch.softmax(logits, dim=-1) @ values
+    outs, lses = [], []
+    for part in (slice(0, 3), slice(3, 10)):
+        outs.append(torch.softmax(logits[..., part], dim=-1) @ values[:, part])
+        lses.append(torch.logsumexp(logits[..., part], dim=-1))
+    torch.testing.assert_close(merge_partial_attention(outs, lses), whole)
+
+
+def _layer_with_append(cfg: S4RConfig, doc2_basis: torch.Tensor, gen: torch.Generator):
+    """A layer compressed from a 600-token document in one subspace, then a 400-token document in another
+    collected in its buffer as an append does; with the tokens of both."""
+    basis1, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))
+    k1, v1 = (_in_subspace(basis1, 600, gen) for _ in range(2))
+    k2, v2 = (_in_subspace(doc2_basis, 400, gen) for _ in range(2))
+    layer = compress_layer(k1, v1, None, cfg, cfg.rank_k, cfg.rank_v, None)
+    layer.collecting = True
+    layer.update(k2.unsqueeze(0), v2.unsqueeze(0))
+    return layer, torch.cat([k1, k2], dim=1), torch.cat([v1, v2], dim=1)
+
+
+EXACT_CFG = S4RConfig(ratio=None, rank_k=8, rank_v=8, coef_dtype="model", coef_bands=None,
+                      outlier_fraction=0.0, recon_fraction=1.0, segment_tokens=256)
+
+
+def test_a_long_append_gets_its_own_bases_and_attention_stays_exact():
+    gen = torch.Generator().manual_seed(1)
+    basis2, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))  # unrelated to document 1's
+    layer, keys, values = _layer_with_append(EXACT_CFG, basis2, gen)
+    assert layer.buffered == 400  # collected, not folded into document 1's bases
+    settled = settle_appended(layer, SHAPE)
+    assert isinstance(settled, SegmentedLayer) and len(settled.segments) == 2
+    assert settled.logical == settled.stored_length() == 1000 and settled.segments[1].sinks == 0
+    query = torch.randn(1, Q_HEADS, 1, DIM, generator=gen)
+    new_k, new_v = torch.randn(1, HEADS, 1, DIM, generator=gen), torch.randn(1, HEADS, 1, DIM, generator=gen)
+    settled.update(new_k, new_v)
+    out = settled.attend(query, None, None, DIM**-0.5)
+    # each document lies in a rank-6 subspace and every token is rebuilt: exact up to rounding
+    expected = _exact_attention(query, torch.cat([keys, new_k[0]], 1), torch.cat([values, new_v[0]], 1))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_folding_into_the_first_bases_loses_what_they_do_not_span():
+    """The reason segments exist: the same append, folded (segment_tokens=0), is far from exact."""
+    gen = torch.Generator().manual_seed(1)
+    basis2, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "segment_tokens": 0})
+    layer, keys, values = _layer_with_append(cfg, basis2, gen)
+    settled = settle_appended(layer, SHAPE)
+    assert isinstance(settled, LowRankLayer) and settled.buffered == cfg.buffer_tokens
+    query = torch.randn(1, Q_HEADS, 1, DIM, generator=gen)
+    out = settled.attend(query, None, None, DIM**-0.5)
+    expected = _exact_attention(query, keys, values)
+    assert (out - expected).norm() > 0.1 * expected.norm()
+
+
+def test_a_short_append_still_folds():
+    gen = torch.Generator().manual_seed(2)
+    basis2, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "segment_tokens": 500})  # the append has 400 tokens
+    layer, _, _ = _layer_with_append(cfg, basis2, gen)
+    settled = settle_appended(layer, SHAPE)
+    assert settled is layer and layer.buffered == cfg.buffer_tokens and not layer.collecting
+
+
+# --- through a session: ratio, persistence, truncation -----------------------------------------------
+DOC1 = "The quick brown fox jumps over the lazy dog near the river bank. " * 24
+DOC2 = "Seven silver spoons sat quietly upon a mahogany shelf in Prague; " * 18
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_hidden_layers=2)
+
+
+def _session(model, **overrides) -> Session:
+    loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="tiny", device="cpu",
+                             dtype=torch.float32, context_length=4096)
+    return Session(loaded, method="s4r", ratio=2.5, config_overrides={"segment_tokens": 1024, **overrides})
+
+
+@pytest.mark.parametrize("ingest", ["layerwise", "chunked"])
+def test_a_second_document_becomes_a_segment_within_the_ratio(model, ingest, tmp_path):
+    session = _session(model)
+    session.ingest_mode = ingest
+    session.ingest(DOC1)
+    session.ingest(DOC2)
+    layers = session.cache.layers
+    assert all(isinstance(layer, SegmentedLayer) and len(layer.segments) == 2 for layer in layers)
+    assert session.cache.ratio() >= 2.5
+    # saved and loaded, the segments answer the same
+    session.save(tmp_path / "two.s4r")
+    loaded = Session.load(tmp_path / "two.s4r", session.loaded)
+    assert all(isinstance(layer, SegmentedLayer) for layer in loaded.cache.layers)
+    assert loaded.cache.nbytes() == session.cache.nbytes()
+    answer = session.ask("Which shelf?", max_new_tokens=6)[0]
+    assert loaded.ask("Which shelf?", max_new_tokens=6)[0] == answer
+
+
+def test_truncating_into_the_first_document_drops_the_segment(model):
+    session = _session(model)
+    session.ingest(DOC1)
+    first = session.cache.logical_length()
+    session.ingest(DOC2)
+    session.cache.truncate(first - 10)
+    for layer in session.cache.layers:
+        assert len(layer.segments) == 1 and layer.logical == first - 10 == layer.stored_length()
+
+
+def test_segment_tokens_zero_folds_the_second_document(model):
+    session = _session(model, segment_tokens=0)
+    session.ingest(DOC1)
+    session.ingest(DOC2)
+    assert all(isinstance(layer, LowRankLayer) for layer in session.cache.layers)
