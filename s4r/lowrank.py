@@ -27,12 +27,16 @@ from .growable import cloned, contiguous, grown
 from .latent import gather_value_rows, merged_attention
 from .layers import CacheLayer, head_blocks, tensor_bytes, to_groups
 from .lowrank_selection import LatentSelection
+from .lowrank_views import StoredViews
 from .rope import RopeFn, undo_rope
 from .selection import decay_factor
 from .subspace import project, relative_residual
 
+# per-token stores with the token axis second (the key coefficients `_ck` have it last)
+_TOKEN_ROW_STORES = ("_cv", "_sk", "_sv", "_rel", "_tk", "_tv", "_tsk", "_tsv")
 
-class LowRankLayer(LatentSelection, CacheLayer):
+
+class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
     """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
     the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
 
@@ -131,51 +135,6 @@ class LowRankLayer(LatentSelection, CacheLayer):
         self._set_exact(self.sink_k.clone(), self.sink_v.clone(), cloned(self.out_k), cloned(self.out_v),
                         buf_k, buf_v)
         self.logical = self.stored_length()
-
-    # --- coefficient views (what persist and the budget see) --------------------------------------
-    @property
-    def coef_k(self) -> torch.Tensor:
-        """[G, N, r_k] (a transposed view of the token-last storage)."""
-        return self._ck[..., : self._n].transpose(1, 2)
-
-    @property
-    def coef_v(self) -> torch.Tensor:
-        return self._cv[:, : self._n]
-
-    @property
-    def scale_k(self) -> torch.Tensor | None:
-        return None if self._sk is None else self._sk[:, : self._n].unsqueeze(-1)
-
-    @property
-    def scale_v(self) -> torch.Tensor | None:
-        return None if self._sv is None else self._sv[:, : self._n].unsqueeze(-1)
-
-    def _stored(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """The stored tokens' part of a per-token store (token axis 1), or None."""
-        return None if t is None else t[:, : self._n]
-
-    @property
-    def tail_k(self) -> torch.Tensor | None:
-        """[G, N, bytes] packed codes of the lower key bands (None without `coef_bands`)."""
-        return self._stored(self._tk)
-
-    @property
-    def tail_v(self) -> torch.Tensor | None:
-        return self._stored(self._tv)
-
-    @property
-    def tail_step_k(self) -> torch.Tensor | None:
-        """[G, N, bands] steps of the lower key bands."""
-        return self._stored(self._tsk)
-
-    @property
-    def tail_step_v(self) -> torch.Tensor | None:
-        return self._stored(self._tsv)
-
-    @property
-    def relevance(self) -> torch.Tensor | None:
-        """[H, N] relevance of every stored token (None unless `max`/`mean` scoring has seen a query)."""
-        return self._stored(self._rel)
 
     # --- sizes -----------------------------------------------------------------------------------
     @property
@@ -306,21 +265,33 @@ class LowRankLayer(LatentSelection, CacheLayer):
                       with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of `query` [1, Hq, q, d] over this layer's tokens, query heads folded per KV head:
         (fp32 output [H, group*q, d], logsumexp [H, group*q] when `with_lse`), see `merged_attention`."""
+        qf, exact_logits, q_len = self.exact_step(query, scaling)
+        chosen = self._select_and_score(qf, exact_logits, q_len, scaling) if self._n else None
+        return self.attend_chosen(exact_logits, chosen, with_lse=with_lse)
+
+    def exact_step(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(query rows [H, group*q, d] fp32, their masked logits on the exact tokens, q) of a step."""
         q_len = query.shape[2]
         heads, n_rep = self.heads, query.shape[1] // self.heads
-        rows = n_rep * q_len
         # folded (row j*q + i = head j, position i), fp32: the query is small, its logits need precision
-        qf = query[0].reshape(heads, rows, self.head_dim).float()
+        qf = query[0].reshape(heads, n_rep * q_len, self.head_dim).float()
         e = self.exact_length
         exact_logits = torch.matmul(qf, self._ek[:, :e].float().transpose(1, 2)).mul_(scaling)
         mask = causal_mask(q_len, e, e - self._n_buf, query.device)
         if mask is not None:
             exact_logits.masked_fill_(~mask.repeat(n_rep, 1), float("-inf"))
-        n, tail = self._n, None
-        if n:
-            idx, sel_logits = self._select_and_score(qf, exact_logits, q_len, scaling)
+        return qf, exact_logits, q_len
+
+    def attend_chosen(self, exact_logits: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor] | None, *,
+                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's attention over the exact tokens and the `chosen` stored ones ((indices, logits) from
+        `selected_logits`; None: no stored token), see `attend_folded`."""
+        heads, rows, e = exact_logits.shape
+        tail = None
+        if chosen is not None:
+            idx, sel_logits = chosen
             value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
-                                                        self._sv[:, :n], idx)
+                                                        self._sv[:, : self._n], idx)
             if self._tv is not None:  # the lower bands join as extra value columns
                 tail = (self._tail_rows(idx, keys=False), head_blocks(self.basis_v[..., self.plan_v.lead :],
                                                                       heads))
@@ -365,14 +336,9 @@ class LowRankLayer(LatentSelection, CacheLayer):
         if keep_coef < self._n:
             # copy so the dropped rows are freed, not kept alive behind a view
             self._ck = self._ck[..., :keep_coef].clone()
-            self._cv = self._cv[:, :keep_coef].clone()
-            if self._sk is not None:
-                self._sk, self._sv = self._sk[:, :keep_coef].clone(), self._sv[:, :keep_coef].clone()
-            if self._rel is not None:
-                self._rel = self._rel[:, :keep_coef].clone()
-            if self._tk is not None:
-                self._tk, self._tv = self._tk[:, :keep_coef].clone(), self._tv[:, :keep_coef].clone()
-                self._tsk, self._tsv = self._tsk[:, :keep_coef].clone(), self._tsv[:, :keep_coef].clone()
+            for name in _TOKEN_ROW_STORES:
+                if (store := getattr(self, name)) is not None:
+                    setattr(self, name, store[:, :keep_coef].clone())
             self._n = keep_coef
         self.logical = logical
 

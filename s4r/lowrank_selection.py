@@ -7,6 +7,8 @@ workspace `_ek`, `out_idx`, `_rel`) and its configuration; `LowRankLayer` is the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .coef_bands import decode_tails
@@ -24,6 +26,25 @@ def mul_rows(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.matmul(q, rows.transpose(1, 2))
 
 
+@dataclass
+class LatentStep:
+    """What one decode step's scoring of a layer computed, between its two halves (`latent_step`,
+    `step_scores`) and for the selected tokens' logits (`selected_logits`)."""
+
+    qf: torch.Tensor  # [H, rows, d] fp32 query rows, query heads of each KV group folded
+    q_len: int
+    scaling: float
+    q_full: torch.Tensor  # [H, rows, r_k] query coefficients, every band
+    q_lat: torch.Tensor  # the int8 band's part (what scores)
+    coef_t: torch.Tensor  # [G, r_k, N] stored key coefficients
+    scale_k: torch.Tensor | None
+    scores: torch.Tensor | None = None  # [H or 1, N] before pooling
+    full_logits: torch.Tensor | None = None  # [H, rows, N] logits of every row on every stored token
+    window_logits: torch.Tensor | None = None  # relevance scoring: [H, rows_w, N + e'] (stored, exact)
+    window: int = 0
+    stored: int = 0
+
+
 class LatentSelection:
     """Scoring, selection and the selected tokens' logits of a `LowRankLayer` (a mixin of it)."""
 
@@ -37,41 +58,66 @@ class LatentSelection:
             qf = undo_rope(q, cos, sin).reshape(qf.shape)
         return project_queries(qf, self.basis_k)
 
-    def _select_and_score(self, qf, exact_logits, q_len, scaling):
-        """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
-        `shared_selection`), and the queries' logits on them [H, rows, k]."""
+    def latent_step(self, qf: torch.Tensor, exact_logits: torch.Tensor, q_len: int,
+                    scaling: float) -> LatentStep:
+        """First half of scoring a step: the query's coefficients and, for relevance scoring, the logits
+        of the scored query rows on every stored token and exact one (`LatentStep.window_logits`)."""
         n = self._n
         scale_k = None if self._sk is None else self._sk[:, :n]
         coef_t = self._ck[..., :n]
         q_full = self._latent_query(qf, q_len)
         q_lat = q_full if self._tk is None else q_full[..., : self.plan_k.lead].contiguous()  # the int8 band
-        full_logits = None
+        step = LatentStep(qf, q_len, scaling, q_full, q_lat, coef_t, scale_k)
         if self.cfg.scoring == "summed":
-            scores = self._summed_scores(q_lat, q_len, coef_t, scale_k, scaling)
+            step.scores = self._summed_scores(q_lat, q_len, coef_t, scale_k, scaling)
             if q_len <= self.cfg.query_window and self.cfg.key_space == "post_rope":
-                full_logits = latent_logits(q_lat, coef_t, scale_k, scaling)
+                step.full_logits = latent_logits(q_lat, coef_t, scale_k, scaling)
         else:
-            scores, full_logits = self._relevance_scores(q_lat, exact_logits, q_len, coef_t, scale_k, scaling)
+            self._window_logits(step, exact_logits)
+        return step
+
+    def step_scores(self, step: LatentStep, global_lse: torch.Tensor | None = None) -> torch.Tensor:
+        """Second half: pooled scores [H or 1, N] of the stored tokens (outliers -inf). `global_lse`
+        [H, rows] normalizes relevance over more tokens than this layer's (every segment of a layer)."""
+        if step.scores is None:
+            step.scores = self._relevance_from(step, global_lse)
         pool = self.cfg.pool if self.cfg.scoring == "summed" else "max"  # relevance: max keeps peaks
-        scores = pool_scores(scores, self.cfg.pool_kernel, pool)
+        scores = pool_scores(step.scores, self.cfg.pool_kernel, pool)
         if self.out_idx is not None:
             # outliers are attended exactly already; don't spend reconstruction slots on them
             scores.index_fill_(1, self._out_long(), float("-inf"))
-        forced = max(0, self.cfg.local_window - self._n_buf)
-        k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
-        idx = select_tokens(scores, k, forced)  # [1, k] shared by every head, else [H, k]
+        return scores
+
+    def selection_size(self, local: bool = True) -> tuple[int, int]:
+        """(top-k count, forced local-window count) of a step; without `local`, no local window (a
+        segment whose tokens are not the most recent)."""
+        n = self._n
+        forced = max(0, self.cfg.local_window - self._n_buf) if local else 0
+        return min(self.cfg.reconstruct_count(n), n - forced - self._n_out), forced
+
+    def _select_and_score(self, qf, exact_logits, q_len, scaling):
+        """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
+        `shared_selection`), and the queries' logits on them [H, rows, k]."""
+        step = self.latent_step(qf, exact_logits, q_len, scaling)
+        idx = select_tokens(self.step_scores(step), *self.selection_size())  # [1 or H, k]
+        return self.selected_logits(step, idx)
+
+    def selected_logits(self, step: LatentStep, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices as the value rows need them, the step's logits on the tokens `idx` [H or 1, k])."""
         self.selected = idx.expand(self.heads, -1)
         if self._cv.shape[0] != 1:
             idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
+        scaling = step.scaling
         if self.cfg.key_space == "pre_rope":
-            return idx, self._rebuilt_key_logits(qf, idx, scaling)
-        if full_logits is not None:
-            heads, rows, _ = full_logits.shape
-            logits = torch.gather(full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
+            return idx, self._rebuilt_key_logits(step.qf, idx, scaling)
+        if step.full_logits is not None:
+            heads, rows, _ = step.full_logits.shape
+            logits = torch.gather(step.full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
         else:
-            logits = gathered_logits(q_lat, coef_t, scale_k, idx, scaling)
+            logits = gathered_logits(step.q_lat, step.coef_t, step.scale_k, idx, scaling)
         if self._tk is not None:  # the lower bands' share of the selected tokens' logits
-            logits += mul_rows(q_full[..., self.plan_k.lead :], self._tail_rows(idx, keys=True)).mul_(scaling)
+            logits += mul_rows(step.q_full[..., self.plan_k.lead :], self._tail_rows(idx, keys=True)).mul_(
+                scaling)
         return idx, logits
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
@@ -117,31 +163,43 @@ class LatentSelection:
             scores = torch.softmax(scores * scaling, dim=-1)
         return scores.sum(dim=0, keepdim=True) if self.cfg.shared_selection else scores
 
-    def _relevance_scores(self, q_lat, exact_logits, q_len, coef_t, scale_k, scaling):
-        """Relevance [H, N] after this step's queries, and their logits on every stored token [H, rows, N]
-        when every query row was scored (then they double as the attention logits)."""
+    def _window_logits(self, step: LatentStep, exact_logits: torch.Tensor) -> None:
+        """The scored query rows' logits on every stored token (outliers: their exact logits) then on the
+        other exact tokens, into `step.window_logits` [H, rows, N + e'] (see `_relevance_from`)."""
+        n = self._n
         if self._rel is None and self.query_coef is not None:
-            self._seed_relevance(coef_t, scale_k, scaling)
+            self._seed_relevance(step.coef_t, step.scale_k, step.scaling)
+        q_len, q_lat = step.q_len, step.q_lat
         window = min(q_len, self.cfg.query_window)
         n_rep = q_lat.shape[1] // q_len
         scored = q_lat if window == q_len else (
             q_lat.view(self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1))
-        logits = latent_logits(scored, coef_t, scale_k, scaling)
+        logits = latent_logits(scored, step.coef_t, step.scale_k, step.scaling)
         ex = exact_logits if window == q_len else exact_logits.view(
             self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1)
         s, o = self.sinks, self._n_out
         others = ex if not o else torch.cat([ex[..., :s], ex[..., s + o :]], dim=-1)
         if o:
             logits.index_copy_(2, self._out_long(), ex[..., s : s + o])  # outliers: their exact logits
-        # one softmax over the stored tokens and the other exact ones (logsumexp is far slower on CPU
-        # for logits this spread out)
-        probs = torch.softmax(torch.cat([logits, others], dim=-1), dim=-1)[..., : logits.shape[-1]]
+        step.window, step.stored = window, n
+        step.window_logits = torch.cat([logits, others], dim=-1)
+        step.full_logits = logits if window == q_len else None  # they double as the attention logits
+
+    def _relevance_from(self, step: LatentStep, global_lse: torch.Tensor | None) -> torch.Tensor:
+        """Relevance [H or 1, N] after this step's queries: their attention probabilities over the stored
+        tokens, with this layer's tokens in the normaliser, or all of `global_lse`'s."""
+        if global_lse is None:
+            # one softmax (logsumexp is far slower on CPU for logits this spread out)
+            probs = torch.softmax(step.window_logits, dim=-1)
+        else:
+            probs = torch.exp(step.window_logits - global_lse.unsqueeze(-1))
+        probs = probs[..., : step.stored]
         groups = 1 if self.cfg.shared_selection else self.heads  # shared: every query head is one group
-        probs = probs.view(groups, -1, window, probs.shape[-1])
+        probs = probs.view(groups, -1, step.window, probs.shape[-1])
         rel = update_relevance(self.relevance, probs, self._decay, self.cfg.scoring)
         if self.cfg.scoring != "query":
             self._store_relevance(rel)
-        return rel, (logits if window == q_len else None)
+        return rel
 
     def _seed_relevance(self, coef_t, scale_k, scaling) -> None:
         """Relevance from the prompt's last queries (kept at compression), then drop them."""

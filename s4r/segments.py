@@ -30,6 +30,7 @@ from .errors import BudgetError
 from .latent import merge_partial_attention
 from .layers import CacheLayer
 from .lowrank import LowRankLayer
+from .selection import select_tokens
 
 
 class SegmentedLayer(CacheLayer):
@@ -79,9 +80,40 @@ class SegmentedLayer(CacheLayer):
 
     def attend(self, query, key, value, scaling):
         q_heads, q_len = query.shape[1], query.shape[2]
-        parts = [s.attend_folded(query, scaling, with_lse=True) for s in self.segments]
+        if self._global_selection():
+            parts = self._attend_globally(query, scaling)
+        else:
+            parts = [s.attend_folded(query, scaling, with_lse=True) for s in self.segments]
         out = merge_partial_attention([p[0] for p in parts], [p[1] for p in parts])
         return out.to(query.dtype).reshape(1, q_heads, q_len, self.last.head_dim)
+
+    def _global_selection(self) -> bool:
+        """Whether the tokens to rebuild can be chosen over all segments at once: per-query relevance
+        (comparable across segments once normalized together) and one token set for every head."""
+        return all(s.cfg.scoring == "query" and s.cfg.shared_selection and s.stored_coefs
+                   for s in self.segments)
+
+    def _attend_globally(self, query: torch.Tensor,
+                         scaling: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each segment's (output, logsumexp), its rebuilt tokens chosen by one top-k over every segment
+        with relevance normalized over all of them, as one unsegmented layer chooses (a question about
+        one document may spend the whole budget on it)."""
+        exact = [s.exact_step(query, scaling) for s in self.segments]
+        steps = [s.latent_step(*e, scaling) for s, e in zip(self.segments, exact, strict=True)]
+        lses = [torch.logsumexp(st.window_logits, dim=-1) for st in steps]
+        total = torch.logsumexp(torch.stack(lses), dim=0)  # [H, rows]: the normaliser of every token
+        scores = [s.step_scores(st, total) for s, st in zip(self.segments, steps, strict=True)]
+        sizes = [s.selection_size(local=s is self.last) for s in self.segments]
+        # the local window is the last segment's tail, which is the concatenation's tail
+        chosen = select_tokens(torch.cat(scores, dim=-1), sum(k for k, _ in sizes), sizes[-1][1])[0]
+        parts, start = [], 0
+        for segment, step, (_, exact_logits, _), sc in zip(self.segments, steps, exact, scores, strict=True):
+            end = start + sc.shape[-1]
+            mine = chosen[(chosen >= start) & (chosen < end)] - start
+            picked = segment.selected_logits(step, mine.unsqueeze(0))
+            parts.append(segment.attend_chosen(exact_logits, picked, with_lse=True))
+            start = end
+        return parts
 
     def fold_buffer(self) -> None:
         """Fold the last segment's buffer down to its cap."""
