@@ -146,7 +146,7 @@ class LatentSelection:
         if codes.shape[0] == 1:
             flat = idx.reshape(-1)
             tail = decode_tails(codes[0, :n].index_select(0, flat), steps[0, :n].index_select(0, flat), plan)
-            return tail.view(*idx.shape, -1)
+            return tail.view(*idx.shape, tail.shape[-1])  # explicit width: idx may be empty
 
         def pick(t: torch.Tensor) -> torch.Tensor:
             return torch.gather(t[:, :n], 1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))

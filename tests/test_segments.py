@@ -153,26 +153,39 @@ def test_segment_tokens_zero_folds_the_second_document(model):
     assert all(isinstance(layer, LowRankLayer) for layer in session.cache.layers)
 
 
-def test_the_rebuild_budget_goes_where_the_query_looks_across_segments():
-    """One top-k over every segment: a query about document 1 may rebuild more of it than its own share."""
-    gen = torch.Generator().manual_seed(3)
-    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "recon_fraction": 0.1})
+def _planted_pair(cfg: S4RConfig, in_first: bool, gen: torch.Generator):
+    """A settled two-segment layer with 80 tokens the query looks at, in document 1 or 2; the query."""
     basis1, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))
     basis2, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))
     k1, v1 = (_in_subspace(basis1, 600, gen) * 0.1 for _ in range(2))
-    direction = basis1[:, 0].view(HEADS, DIM)
-    planted = torch.arange(200, 280)  # 80 tokens of document 1 the query looks at
-    k1[:, planted] = direction.unsqueeze(1) * 3
+    k2, v2 = (_in_subspace(basis2, 400, gen) * 0.1 for _ in range(2))
+    direction = (basis1 if in_first else basis2)[:, 0].view(HEADS, DIM)
+    (k1 if in_first else k2)[:, 200:280] = direction.unsqueeze(1) * 3
     layer = compress_layer(k1, v1, None, cfg, cfg.rank_k, cfg.rank_v, None)
     layer.collecting = True
-    layer.update(*(_in_subspace(basis2, 400, gen).unsqueeze(0) * 0.1 for _ in range(2)))
+    layer.update(k2.unsqueeze(0), v2.unsqueeze(0))
     settled = settle_appended(layer, SHAPE)
     assert isinstance(settled, SegmentedLayer)
-    query = (direction * 4).repeat_interleave(Q_HEADS // HEADS, 0).view(1, Q_HEADS, 1, DIM)
     settled.update(torch.zeros(1, HEADS, 1, DIM), torch.zeros(1, HEADS, 1, DIM))
+    return settled, (direction * 4).repeat_interleave(Q_HEADS // HEADS, 0).view(1, Q_HEADS, 1, DIM)
+
+
+def test_the_rebuild_budget_goes_where_the_query_looks_across_segments():
+    """One top-k over every segment: a query about document 1 may rebuild more of it than its own share."""
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "recon_fraction": 0.1})
+    settled, query = _planted_pair(cfg, True, torch.Generator().manual_seed(3))
     settled.attend(query, None, None, DIM**-0.5)
     first = settled.segments[0]
-    own_share = first.selection_size()[0]
     picked = set(first.selected[0].tolist())
-    assert own_share < len(planted) <= len(picked)
-    assert set((planted - first.sinks).tolist()) <= picked
+    assert first.selection_size()[0] < 80 <= len(picked)
+    assert set(range(200 - first.sinks, 280 - first.sinks)) <= picked
+
+
+def test_a_segment_may_rebuild_nothing():
+    """Banded storage (the default) when the whole budget goes to the other segment."""
+    cfg = S4RConfig(ratio=None, rank_k=8, rank_v=8, recon_fraction=0.1, outlier_fraction=0.0,
+                    segment_tokens=256)
+    settled, query = _planted_pair(cfg, False, torch.Generator().manual_seed(4))
+    out = settled.attend(query, None, None, DIM**-0.5)
+    assert settled.segments[0].selected.shape[1] == 0 and bool(out.isfinite().all())
+    assert set(range(200, 280)) <= set(settled.segments[1].selected[0].tolist())
