@@ -167,21 +167,21 @@ def _store_rows(dest: list[torch.Tensor | None], parts: Encoded, rows: slice, n:
 
 
 def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
-                 basis_k: torch.Tensor, basis_v: torch.Tensor, block_tokens: int = COMPRESS_BLOCK,
+                 basis_k: torch.Tensor, basis_v: torch.Tensor, block_tokens: int | None = None,
                  score_residuals: bool = False) -> tuple[Encoded, Encoded, torch.Tensor | None]:
     """Stored coefficients of the non-sink tokens of one layer (see `encode_coefficients`) for keys and
     values, and with `score_residuals` each token's relative residual summed over K and V [N].
 
-    Works through `block_tokens` tokens at a time, so the fp32 copies of the keys/values and of their
-    coefficients exist for one block only; every step is per token, so the result is that of the whole
-    layer at once.
+    Works through `block_tokens` (default `COMPRESS_BLOCK`) tokens at a time, so the fp32 copies of the
+    keys/values and of their coefficients exist for one block only; every step is per token, so the
+    result is that of the whole layer at once.
     """
     n = keys.shape[1] - min(cfg.sinks, keys.shape[1])
     dtype = keys.dtype
     enc_k: list[torch.Tensor | None] = [None] * 4
     enc_v: list[torch.Tensor | None] = [None] * 4
     worst = torch.empty(n, device=keys.device) if score_residuals else None
-    for rows in token_blocks(n, block_tokens):
+    for rows in token_blocks(n, block_tokens or COMPRESS_BLOCK):
         k_groups, v_groups = compressible_parts(keys, values, cfg, rope, rows)
         proj_k, proj_v = project(k_groups, basis_k), project(v_groups, basis_v)
         _store_rows(enc_k, encode_coefficients(proj_k, cfg, dtype), rows, n)
@@ -193,7 +193,7 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope:
 
 def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, cfg: S4RConfig,
                    rank_k: int, rank_v: int, rope: RopeFn | None,
-                   bases: LayerBases | None = None, block_tokens: int = COMPRESS_BLOCK) -> LowRankLayer:
+                   bases: LayerBases | None = None, block_tokens: int | None = None) -> LowRankLayer:
     """S4R compression of one layer.
 
     keys/values: [H, T, d] post-RoPE (as the model produced them); queries: [Hq, W, d] post-RoPE, the
