@@ -14,8 +14,9 @@ from .rope import RopeFn, undo_rope
 from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, relative_residual
 
 # tokens whose fp32 keys/values and coefficients one compression step holds at once (~3 MiB of fp32
-# keys and values with SmolLM2's 192-wide layer basis); blocks this long run the projection's matrix
-# product on the same kernel as the whole layer, so the stored values do not depend on it
+# keys and values with SmolLM2's 192-wide layer basis). No block is shorter (the remainder joins the
+# last one): a product of a few rows can round differently from the whole layer's, blocks this long
+# stored the same values as the whole layer in every case checked (docs/notes-mem-9.md)
 COMPRESS_BLOCK = 2048
 
 
