@@ -70,6 +70,22 @@ def causal_mask(q_len: int, s_len: int, prefix: int | None = None,
     return torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=device), own], dim=1)
 
 
+def additive_causal_mask(q_len: int, s_len: int, prefix: int | None, dtype: torch.dtype,
+                         device: torch.device | None = None) -> torch.Tensor | None:
+    """`causal_mask` as the additive mask SDPA makes of a boolean one (0 visible, -inf hidden), so the
+    same attention; built directly, a long prefill block holds one [q_len, s_len] mask instead of the
+    boolean mask, its parts and SDPA's converted copy (31 -> 19 MiB for 256 queries on 32k keys, bf16)."""
+    if q_len <= 1:
+        return None
+    prefix = s_len - q_len if prefix is None else prefix
+    mask = torch.zeros((q_len, s_len), dtype=dtype, device=device)
+    # the queries' own tokens: query i sees own token c <= i (a q_len x q_len triangle, not a full copy)
+    own = torch.full((q_len, min(q_len, s_len)), float("-inf"), dtype=dtype, device=device)
+    mask[:, s_len - own.shape[1] :] = own.triu_(1 + own.shape[1] - q_len)
+    mask[:, :prefix] = 0
+    return mask
+
+
 def fold_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, Hq, q, d] -> [B, H, (Hq/H)*q, d]: the query heads sharing a KV head as extra query rows
     (row j*q + i is head j of the group at query position i)."""
@@ -94,10 +110,11 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     q_heads, q_len, s_len = query.shape[1], query.shape[-2], key.shape[-2]
     kv_heads = key.shape[1]
-    mask = causal_mask(q_len, s_len, prefix, query.device)
     if kv_heads == q_heads or q_len > FOLD_MAX_QUERY:
+        mask = additive_causal_mask(q_len, s_len, prefix, query.dtype, query.device)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                               enable_gqa=kv_heads != q_heads)
+    mask = causal_mask(q_len, s_len, prefix, query.device)
     if mask is not None:
         mask = mask.repeat(q_heads // kv_heads, 1)  # row j*q + i is query position i
     out = F.scaled_dot_product_attention(fold_heads(query, kv_heads), key, value, attn_mask=mask,

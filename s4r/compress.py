@@ -6,12 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .coef_bands import encode_coefficients
+from .coef_bands import Encoded, encode_coefficients
 from .config import S4RConfig
 from .layers import project_queries, to_groups
 from .lowrank import LowRankLayer
 from .rope import RopeFn, undo_rope
 from .subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, relative_residual
+
+# tokens whose fp32 keys/values and coefficients one compression step holds at once (~3 MiB of fp32
+# keys and values with SmolLM2's 192-wide layer basis). No block is shorter (the remainder joins the
+# last one): a product of a few rows can round differently from the whole layer's, blocks this long
+# stored the same values as the whole layer in every case checked (docs/notes-mem-9.md)
+COMPRESS_BLOCK = 2048
 
 
 @dataclass
@@ -28,24 +34,37 @@ class LayerBases:
         return LayerBases(self.k[..., :rank_k], self.v[..., :rank_v])
 
 
-def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
-                       rope: RopeFn | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-sink keys/values as fp32 basis groups [G, N, width]; keys un-rotated for pre-RoPE spaces."""
+def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                       rows: slice | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-sink keys/values as fp32 basis groups [G, N, width]; keys un-rotated for pre-RoPE spaces.
+
+    `rows` (a slice or indices into the non-sink tokens) converts only those tokens: the same values
+    as the matching rows of the whole, without an fp32 copy of the whole layer.
+    """
     heads, total, _ = keys.shape
     s = min(cfg.sinks, total)
     groups = heads if cfg.granularity == "head" else 1
-    k_rest = keys[:, s:]
+    pick = slice(None) if rows is None else rows
+    k_rest, v_rest = keys[:, s:][:, pick], values[:, s:][:, pick]
     if cfg.key_space == "pre_rope":
         if rope is None:
             raise ValueError("pre-RoPE keys need the model's rotary embedding")
-        k_rest = undo_rope(k_rest.float(), *(t.float() for t in rope(torch.arange(s, total))))
+        # the tables of every position, then the rows: exactly the values the whole layer would use
+        cos, sin = (t[pick].float() for t in rope(torch.arange(s, total)))
+        k_rest = undo_rope(k_rest.float(), cos, sin)
     # group first, then widen to fp32: a long layer never holds two fp32 copies of its keys or values
-    return to_groups(k_rest, groups).float(), to_groups(values[:, s:], groups).float()
+    return to_groups(k_rest, groups).float(), to_groups(v_rest, groups).float()
 
 
-def _fit(groups: torch.Tensor, idx: torch.Tensor, cfg: S4RConfig,
-         rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    sample = groups[:, idx]
+def token_blocks(n: int, block: int) -> list[slice]:
+    """Row ranges covering `n` tokens: `block` rows each, the remainder joined to the last one, so no
+    range is shorter than `block` (or `n`). One range [0, 0) when there is nothing."""
+    starts = list(range(0, max(n - block, 0) + 1, block)) if n > block else [0]
+    ends = starts[1:] + [n]
+    return [slice(b, e) for b, e in zip(starts, ends, strict=True)]
+
+
+def _fit(sample: torch.Tensor, cfg: S4RConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.normalize:
         sample = normalize_rows(sample)
     basis = fit_basis(sample, rank)
@@ -57,10 +76,12 @@ def _fit(groups: torch.Tensor, idx: torch.Tensor, cfg: S4RConfig,
 def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
                     rank_k: int, rank_v: int) -> LayerBases:
     """SVD (fp32) bases on a normalized hybrid sample of the non-sink tokens of one layer."""
-    k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
-    idx = hybrid_sample_indices(k_groups.shape[1], cfg.sample_tokens, cfg.recent_share).to(keys.device)
-    basis_k, energy_k = _fit(k_groups, idx, cfg, rank_k)
-    basis_v, energy_v = _fit(v_groups, idx, cfg, rank_v)
+    stored = keys.shape[1] - min(cfg.sinks, keys.shape[1])
+    idx = hybrid_sample_indices(stored, cfg.sample_tokens, cfg.recent_share).to(keys.device)
+    # only the sampled tokens in fp32 (all of them when the sample covers the layer)
+    k_sample, v_sample = compressible_parts(keys, values, cfg, rope, idx)
+    basis_k, energy_k = _fit(k_sample, cfg, rank_k)
+    basis_v, energy_v = _fit(v_sample, cfg, rank_v)
     return LayerBases(basis_k, basis_v, energy_k, energy_v)
 
 
@@ -110,25 +131,76 @@ def outlier_tokens(k_groups: torch.Tensor, v_groups: torch.Tensor, basis_k: torc
 
     The last `exclude_tail` tokens are never picked: decoding reconstructs them as its local window.
     """
-    if effect is not None:
-        worst = effect.clone()
-    else:
-        worst = relative_residual(k_groups, basis_k) + relative_residual(v_groups, basis_v)
+    if effect is None:
+        effect = relative_residual(k_groups, basis_k) + relative_residual(v_groups, basis_v)
+    return worst_tokens(effect, count, exclude_tail)
+
+
+def worst_tokens(scores: torch.Tensor, count: int, exclude_tail: int = 0) -> torch.Tensor:
+    """Indices (sorted) of the `count` highest `scores` [N], never among the last `exclude_tail`."""
+    worst = scores.clone()
     if exclude_tail:
         worst[-exclude_tail:] = float("-inf")
     count = min(count, max(0, worst.shape[0] - exclude_tail))
     return torch.topk(worst, count).indices.sort().values
 
 
+def _unexplained_share(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """`relative_residual(x, basis)` from the coefficients `coef` = x @ basis already computed: the same
+    arithmetic without a second projection."""
+    total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
+    captured = coef.pow(2).sum(dim=(0, 2))
+    return (total - captured).clamp_min(0) / total.clamp_min(1e-12)
+
+
+def _store_rows(dest: list[torch.Tensor | None], parts: Encoded, rows: slice, n: int) -> None:
+    """Write one block's encoded tensors [G, b, ...] into the layer's [G, n, ...] ones (made at the first
+    block; a block of every row is kept as it is)."""
+    for j, part in enumerate(parts):
+        if part is None:
+            continue
+        if part.shape[1] == n:
+            dest[j] = part
+            continue
+        if dest[j] is None:
+            dest[j] = part.new_empty((part.shape[0], n, *part.shape[2:]))
+        dest[j][:, rows] = part
+
+
+def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                 basis_k: torch.Tensor, basis_v: torch.Tensor, block_tokens: int | None = None,
+                 score_residuals: bool = False) -> tuple[Encoded, Encoded, torch.Tensor | None]:
+    """Stored coefficients of the non-sink tokens of one layer (see `encode_coefficients`) for keys and
+    values, and with `score_residuals` each token's relative residual summed over K and V [N].
+
+    Works through `block_tokens` (default `COMPRESS_BLOCK`) tokens at a time, so the fp32 copies of the
+    keys/values and of their coefficients exist for one block only; every step is per token, so the
+    result is that of the whole layer at once.
+    """
+    n = keys.shape[1] - min(cfg.sinks, keys.shape[1])
+    dtype = keys.dtype
+    enc_k: list[torch.Tensor | None] = [None] * 4
+    enc_v: list[torch.Tensor | None] = [None] * 4
+    worst = torch.empty(n, device=keys.device) if score_residuals else None
+    for rows in token_blocks(n, block_tokens or COMPRESS_BLOCK):
+        k_groups, v_groups = compressible_parts(keys, values, cfg, rope, rows)
+        proj_k, proj_v = project(k_groups, basis_k), project(v_groups, basis_v)
+        _store_rows(enc_k, encode_coefficients(proj_k, cfg, dtype), rows, n)
+        _store_rows(enc_v, encode_coefficients(proj_v, cfg, dtype), rows, n)
+        if worst is not None:
+            worst[rows] = _unexplained_share(k_groups, proj_k) + _unexplained_share(v_groups, proj_v)
+    return tuple(enc_k), tuple(enc_v), worst
+
+
 def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, cfg: S4RConfig,
                    rank_k: int, rank_v: int, rope: RopeFn | None,
-                   bases: LayerBases | None = None) -> LowRankLayer:
+                   bases: LayerBases | None = None, block_tokens: int | None = None) -> LowRankLayer:
     """S4R compression of one layer.
 
     keys/values: [H, T, d] post-RoPE (as the model produced them); queries: [Hq, W, d] post-RoPE, the
     last W queries of the prompt. Keeps the first `cfg.sinks` tokens as they are, fits rank_k/rank_v
     bases (unless `bases` are given: precomputed or offline ones, truncated to the ranks) and stores
-    the coefficients of every non-sink token.
+    the coefficients of every non-sink token, `block_tokens` tokens at a time (see `encode_layer`).
     """
     heads, total, _ = keys.shape
     dtype = keys.dtype
@@ -136,20 +208,22 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     if bases is None:
         bases = fit_layer_bases(keys, values, cfg, rope, rank_k, rank_v)
     basis_k, basis_v = (b.float() for b in (bases.k[..., :rank_k], bases.v[..., :rank_v]))
-    k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
-
-    coef_k, scale_k, tail_k, tail_step_k = encode_coefficients(project(k_groups, basis_k), cfg, dtype)
-    coef_v, scale_v, tail_v, tail_step_v = encode_coefficients(project(v_groups, basis_v), cfg, dtype)
+    n_out = cfg.outlier_count(total - s)
+    has_queries = queries is not None and queries.shape[1] > 0
+    by_attention = n_out > 0 and cfg.outlier_score == "attention" and has_queries
+    score_residuals = n_out > 0 and not by_attention
+    (coef_k, scale_k, tail_k, tail_step_k), (coef_v, scale_v, tail_v, tail_step_v), worst = encode_layer(
+        keys, values, cfg, rope, basis_k, basis_v, block_tokens, score_residuals)
 
     out_idx = out_k = out_v = None
-    n_out = cfg.outlier_count(k_groups.shape[1])
     if n_out:
-        effect = None
-        if cfg.outlier_score == "attention" and queries is not None and queries.shape[1]:
+        if by_attention:
             # post-RoPE keys for the logits whatever the basis space; the error itself is measured there
-            effect = attention_effect(k_groups, v_groups, basis_k, basis_v, keys,
-                                      queries[:, -cfg.query_window :], cfg.key_space == "post_rope")
-        out_idx = outlier_tokens(k_groups, v_groups, basis_k, basis_v, n_out, cfg.local_window, effect)
+            k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
+            worst = attention_effect(k_groups, v_groups, basis_k, basis_v, keys,
+                                     queries[:, -cfg.query_window :], cfg.key_space == "post_rope")
+            del k_groups, v_groups
+        out_idx = worst_tokens(worst, n_out, cfg.local_window)
         out_k, out_v = keys[:, s + out_idx].clone(), values[:, s + out_idx].clone()
         out_idx = out_idx.to(torch.int32)
 
