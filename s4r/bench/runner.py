@@ -211,9 +211,13 @@ class BenchRunner:
         self.hooks.phase("accuracy", len(cfg.lengths) * len(cfg.tasks) * cfg.samples * (len(combos) + 1))
         for length in cfg.lengths:
             tokens = self.fit_length(length)
-            for task in cfg.tasks:
-                samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
-                for k, sample in enumerate(samples):
+            drawn = {task: make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
+                     for task in cfg.tasks}
+            # sample k of every task before sample k+1 of any: a run stopped early (Ctrl-C writes what it
+            # measured) still has every task with the same sample count, give or take one
+            for k in range(cfg.samples):
+                for task in cfg.tasks:
+                    sample = drawn[task][k]
                     where = f"{task} {length_label(length)} #{k + 1}"
                     self.hooks.advance(f"{where}: prefill", units=0)
                     staged = self._attempt("accuracy", "full", FULL_RATIO, length,
