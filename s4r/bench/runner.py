@@ -213,8 +213,7 @@ class BenchRunner:
             tokens = self.fit_length(length)
             drawn = {task: make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
                      for task in cfg.tasks}
-            # sample k of every task before sample k+1 of any: a run stopped early (Ctrl-C writes what it
-            # measured) still has every task with the same sample count, give or take one
+            # sample-major: a run stopped early (Ctrl-C writes what it measured) keeps every task at ~equal n
             for k in range(cfg.samples):
                 for task in cfg.tasks:
                     sample = drawn[task][k]
