@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from s4r.bench.report import to_json
@@ -29,18 +31,16 @@ def test_a_stopped_run_has_every_task_with_the_same_samples(tiny_loaded):  # noq
     hooks = StopAfter(count=4)  # sample 1 of the three tasks, then sample 2 of the first
     config = tiny_config(methods=("full",), tasks=tasks, samples=3, perplexity=False, speed=False,
                          perplexity_lengths=())
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         run_bench(tiny_loaded, config, hooks)
-    except KeyboardInterrupt:
-        pass
     order = [(note.split()[1], note.split()[3].rstrip(":")) for note in hooks.notes]
     assert order == [(tasks[0], "#1"), (tasks[1], "#1"), (tasks[2], "#1"), (tasks[0], "#2")]
 
 
 def test_accuracy_records_time_the_prefill_and_the_answer(tiny_loaded):  # noqa: F811
     torch.set_num_threads(1)
-    config = tiny_config(methods=("full", "streaming"), ratios=(2.0,), tasks=("niah_single_noise",), samples=2,
-                         perplexity=False, speed=False, perplexity_lengths=())
+    config = tiny_config(methods=("full", "streaming"), ratios=(2.0,), tasks=("niah_single_noise",),
+                         samples=2, perplexity=False, speed=False, perplexity_lengths=())
     result = run_bench(tiny_loaded, config, RecordingHooks())
     assert len(result.accuracy) == 4
     for record in result.accuracy:
