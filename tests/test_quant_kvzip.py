@@ -8,7 +8,7 @@ import torch
 from s4r.budget import KVShape
 from s4r.errors import BudgetError, S4RError
 from s4r.generation import forward_tokens
-from s4r.kvzip_scoring import kvzip_scores
+from s4r.kvzip_scoring import RepeatChunk, kvzip_scores
 from s4r.methods import METHODS, REGISTRY, make_method
 from s4r.methods.kvzip import KVzipMethod, kvzip_indices
 from s4r.methods.quant import QuantMethod, plan_quant
@@ -113,7 +113,7 @@ def test_scoring_forward_matches_a_plain_forward_and_leaves_the_cache_alone():
     plain, _ = compressed(model, source, make_method("full", 1.0), 1.0)
     with torch.inference_mode():
         ref = forward_tokens(model, plain, chunk[None], 300)
-    scores = kvzip_scores(model, source, ids.tolist()[:0], chunk.tolist(), chunk_tokens=64)
+    scores = kvzip_scores(model, source, [RepeatChunk(0, 300, chunk.tolist())])
     assert torch.equal(source.layers[0].keys_view, before) and source.logical_length() == 300
     assert len(scores) == len(source.layers) and scores[0].shape == (2, 300)
     assert float(scores[0].min()) >= 0.0 and float(scores[0].max()) <= 1.0

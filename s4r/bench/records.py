@@ -63,6 +63,8 @@ class AccuracyRecord:
     full_bytes: int
     compress_seconds: float
     max_new_tokens: int | None = None
+    prefill_seconds: float | None = None  # the sample's one prefill, shared by every method
+    answer_seconds: float | None = None  # question and answer on the compressed fork
 
 
 @dataclass

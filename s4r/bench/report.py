@@ -14,13 +14,15 @@ lengths the nominal context lengths asked for, ``tokens`` the document tokens ac
       "methods": [methods that ran, "full" first],
       "accuracy": {
         "scores":  [{"task", "method", "ratio", "length", "tokens", "score", "ci_low", "ci_high", "samples",
-                     "achieved_ratio", "compress_seconds", "max_new_tokens"}],
+                     "achieved_ratio", "compress_seconds", "prefill_seconds", "answer_seconds",
+                     "max_new_tokens"}],
         "summary": [{"method", "ratio", "length", "score", "ci_low", "ci_high", "samples", "tasks",
                      "compress_seconds"}],                                # mean over tasks per length
         "overall": [{"method", "ratio", "score", "ci_low", "ci_high", "samples", "tasks",
                      "compress_seconds"}],                                # mean over tasks and lengths
         "samples": [{"task", "length", "tokens", "sample", "depth", "method", "ratio", "score", "answer",
-                     "achieved_ratio", "stored_bytes", "full_bytes", "compress_seconds", "max_new_tokens"}]},
+                     "achieved_ratio", "stored_bytes", "full_bytes", "compress_seconds", "prefill_seconds",
+                     "answer_seconds", "max_new_tokens"}]},
       "perplexity": [{"length", "tokens", "method", "ratio", "nll", "ppl", "nll_gap", "ppl_ratio",
                       "scored_tokens", "natural_text", "achieved_ratio"}],   # gap: nll - nll of full
       "speed": [{"length", "tokens", "method", "ratio", "prefill_seconds", "compress_seconds",
@@ -139,6 +141,8 @@ def _accuracy_scores(records: Sequence[AccuracyRecord]) -> list[dict[str, Any]]:
                      "ci_low": _num(ci.low, 2), "ci_high": _num(ci.high, 2), "samples": len(rs),
                      "achieved_ratio": _num(_mean(r.achieved_ratio for r in rs), 3),
                      "compress_seconds": _num(_mean(r.compress_seconds for r in rs), 3),
+                     "prefill_seconds": _num(_mean(r.prefill_seconds for r in rs), 3),
+                     "answer_seconds": _num(_mean(r.answer_seconds for r in rs), 3),
                      "max_new_tokens": max((r.max_new_tokens for r in rs), default=None)})
     return rows
 
@@ -268,6 +272,7 @@ def to_json(result: BenchResult, command: str = "") -> dict[str, Any]:
                          "answer": r.answer, "achieved_ratio": _num(r.achieved_ratio, 3),
                          "stored_bytes": r.stored_bytes, "full_bytes": r.full_bytes,
                          "compress_seconds": _num(r.compress_seconds),
+                         "prefill_seconds": _num(r.prefill_seconds), "answer_seconds": _num(r.answer_seconds),
                          "max_new_tokens": r.max_new_tokens} for r in result.accuracy],
         },
         "perplexity": _perplexity(result.contexts, natural),

@@ -211,17 +211,21 @@ class BenchRunner:
         self.hooks.phase("accuracy", len(cfg.lengths) * len(cfg.tasks) * cfg.samples * (len(combos) + 1))
         for length in cfg.lengths:
             tokens = self.fit_length(length)
-            for task in cfg.tasks:
-                samples = make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
-                for k, sample in enumerate(samples):
+            drawn = {task: make_samples(task, tokens, cfg.samples, cfg.seed, self.count_tokens, book=cfg.book)
+                     for task in cfg.tasks}
+            # sample-major: a run stopped early (Ctrl-C writes what it measured) keeps every task at ~equal n
+            for k in range(cfg.samples):
+                for task in cfg.tasks:
+                    sample = drawn[task][k]
                     where = f"{task} {length_label(length)} #{k + 1}"
                     self.hooks.advance(f"{where}: prefill", units=0)
-                    staged = self._attempt("accuracy", "full", FULL_RATIO, length,
-                                           lambda s=sample: self._staged(s.context)[0])
+                    prefilled = self._attempt("accuracy", "full", FULL_RATIO, length,
+                                              lambda s=sample: self._staged(s.context))
                     self.hooks.advance(f"{where}: prefill")
-                    if staged is None:
+                    if prefilled is None:
                         self.hooks.advance(where, units=len(combos))
                         continue
+                    staged, prefill_s = prefilled
                     scores = []
                     for method, ratio in combos:
                         self.hooks.advance(f"{where}: {_combo_label(method, ratio)}", units=0)
@@ -230,9 +234,10 @@ class BenchRunner:
                                             self._answer(st, s, i, m, r, n))
                         self.hooks.advance(f"{where}: {_combo_label(method, ratio)}")
                         if rec is not None:
+                            rec.prefill_seconds = prefill_s
                             self.result.accuracy.append(rec)
                             scores.append(f"{_combo_label(method, ratio)} {rec.score:.0f}")
-                    del staged
+                    del staged, prefilled
                     self.hooks.note(f"accuracy {where}: " + ", ".join(scores))
 
     def _answer(self, staged: Session, sample: Any, index: int, method: str, ratio: float,
@@ -240,12 +245,14 @@ class BenchRunner:
         fork = self._fork(staged, method, ratio)
         mem = fork.memory()
         budget = answer_budget(sample, self.count_tokens, self.config.max_new_tokens)
+        t0 = time.perf_counter()
         answer, _ = fork.ask(sample.question, prime=sample.answer_prefix, max_new_tokens=budget)
+        answer_s = time.perf_counter() - t0
         return AccuracyRecord(
             task=sample.task, length=length, tokens=staged.document_tokens, sample=index, depth=sample.depth,
             method=method, ratio=ratio, score=float(score(sample, answer)), answer=answer,
             achieved_ratio=mem.ratio, stored_bytes=mem.stored_bytes, full_bytes=mem.full_bytes,
-            compress_seconds=fork.compress_seconds, max_new_tokens=budget)
+            compress_seconds=fork.compress_seconds, max_new_tokens=budget, answer_seconds=answer_s)
 
     # --- context: perplexity, speed, memory --------------------------------------------------------
     def run_contexts(self) -> None:
