@@ -5,14 +5,13 @@ come back as a :class:`BenchResult` of plain records that :mod:`s4r.bench.report
 and plots.
 
 Every document is prefilled once into an uncompressed staged session and forked into each method and
-ratio (`Session.fork`), so the methods see identical prefills and the prefill cost is paid once.
+ratio (`Session.fork`): identical prefills for every method, the prefill cost paid once.
 
 Phases:
 
 accuracy
     RULER-style tasks (:mod:`s4r.bench.tasks`) at each context length: per sample one prefill, then per
-    (method, ratio) a fork, the question with the sample's answer prefix, greedy decoding, and
-    `score`.
+    (method, ratio) a fork, the question with the sample's answer prefix, greedy decoding, `score`.
 context (perplexity, speed, memory)
     per length one book passage, forked into every method at every ratio; its continuation is fed to
     all forks token by token in one interleaved loop (teacher forcing). That loop gives both the mean
@@ -141,11 +140,8 @@ class BenchRunner:
         return combos
 
     def _staged(self, text: str) -> tuple[Session, float]:
-        """An uncompressed session of `text` and the seconds of its prefill.
-
-        The session's own figure leaves tokenization out; on a GPU the kernels still queued when it
-        returns are waited for and added, so the prefill is not billed to the first compression.
-        """
+        """An uncompressed session of `text` and the seconds of its prefill (tokenization left out; on a
+        GPU the kernels still queued are waited for and added, not billed to the first compression)."""
         staged = Session(self.loaded, method="full", chunk_size=self.config.chunk_size)
         synchronize(self.device)
         stats = staged.ingest(text, compress=False)
@@ -247,12 +243,12 @@ class BenchRunner:
         budget = answer_budget(sample, self.count_tokens, self.config.max_new_tokens)
         t0 = time.perf_counter()
         answer, _ = fork.ask(sample.question, prime=sample.answer_prefix, max_new_tokens=budget)
-        answer_s = time.perf_counter() - t0
         return AccuracyRecord(
             task=sample.task, length=length, tokens=staged.document_tokens, sample=index, depth=sample.depth,
             method=method, ratio=ratio, score=float(score(sample, answer)), answer=answer,
             achieved_ratio=mem.ratio, stored_bytes=mem.stored_bytes, full_bytes=mem.full_bytes,
-            compress_seconds=fork.compress_seconds, max_new_tokens=budget, answer_seconds=answer_s)
+            compress_seconds=fork.compress_seconds, max_new_tokens=budget,
+            answer_seconds=time.perf_counter() - t0)
 
     # --- context: perplexity, speed, memory --------------------------------------------------------
     def run_contexts(self) -> None:
