@@ -123,11 +123,7 @@ class CompressedCache(Cache):
 
     def settle_layer(self, i: int) -> None:
         """Layer `i` has the whole appended text: store it (a segment of its own, or folded)."""
-        layer = self.layers[i]
-        if hasattr(layer, "collecting"):
-            self.layers[i] = settle_appended(layer, self.shape)
-        elif hasattr(layer, "fold_buffer"):
-            layer.fold_buffer()
+        self.layers[i] = settle_appended(self.layers[i], self.shape)
 
     def fold_buffer(self) -> None:
         """Settle every layer after appending a text (oversized buffers folded into coefficients)."""

@@ -165,8 +165,11 @@ def new_segment(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, shape:
 def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
     """The layer after an appended text has been collected in its buffer: that text as a new segment
     when it is long enough (`S4RConfig.segment_tokens`) and the ratio affords its bases, else folded
-    into the current bases. Returns the layer to keep (a new `SegmentedLayer`, or `layer` itself)."""
+    into the current bases; layers of other methods fold their buffer if they have one. Returns the
+    layer to keep (a new `SegmentedLayer`, or `layer` itself)."""
     if not hasattr(layer, "collecting"):
+        if hasattr(layer, "fold_buffer"):
+            layer.fold_buffer()
         return layer
     layer.collecting = False
     last = layer.last if isinstance(layer, SegmentedLayer) else layer

@@ -53,13 +53,19 @@ class VariantResult:
 
     def gap(self, full: VariantResult) -> Interval:
         """Mean of the per-sample NLL gaps to the full cache, with a paired t interval (nats, not 0-100)."""
-        diffs = [a - b for a, b in zip(self.nll, full.nll, strict=True)]
-        n = len(diffs)
-        if n < 2:
-            return Interval(diffs[0] if diffs else math.nan, math.nan, math.nan, n)
-        # mean_interval clips to 0-100; shift into range and back (the gaps are far below 50 nats)
-        ci = mean_interval([d + 50.0 for d in diffs])
-        return Interval(ci.mean - 50.0, ci.low - 50.0, ci.high - 50.0, n)
+        return paired_gap(self.nll, full.nll)
+
+
+def paired_gap(values: Sequence[float], reference: Sequence[float]) -> Interval:
+    """Mean of the per-sample differences `values - reference` (NLLs of the same samples), with a paired t
+    interval (nats, not 0-100)."""
+    diffs = [a - b for a, b in zip(values, reference, strict=True)]
+    n = len(diffs)
+    if n < 2:
+        return Interval(diffs[0] if diffs else math.nan, math.nan, math.nan, n)
+    # mean_interval clips to 0-100; shift into range and back (the gaps are far below 50 nats)
+    ci = mean_interval([d + 50.0 for d in diffs])
+    return Interval(ci.mean - 50.0, ci.low - 50.0, ci.high - 50.0, n)
 
 
 def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks: Sequence[str], length: int,

@@ -21,7 +21,7 @@ from typing import Any
 from s4r.bench.intervals import mean_interval
 from s4r.bench.scoring import score
 from s4r.bench.tasks import answer_budget, make_samples
-from s4r.bench.tuning import VariantResult, answer_nll
+from s4r.bench.tuning import answer_nll, paired_gap
 from s4r.session import Session
 
 # what a second document's storage is compared with: bases of its own (the default) or folded into the
@@ -85,7 +85,7 @@ def summary(arms: dict[str, ArmResult]) -> dict[str, Any]:
     for name, arm in arms.items():
         docs = []
         for d in (0, 1):
-            gap = VariantResult(name, {}, nll=arm.nll[d]).gap(VariantResult("full", {}, nll=full.nll[d]))
+            gap = paired_gap(arm.nll[d], full.nll[d])
             acc = mean_interval(arm.scores[d])
             docs.append({"score": acc.mean, "score_low": acc.low, "score_high": acc.high, "samples": acc.n,
                          "nll_gap": gap.mean, "nll_gap_low": gap.low, "nll_gap_high": gap.high})
