@@ -13,7 +13,12 @@ row j*q + i = head j, position i), N stored tokens, G basis groups (H per-head b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .tail_planes import PlanarTail
 
 
 def int8_matmul_available(device: torch.device) -> bool:
@@ -92,7 +97,7 @@ def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
                      value_rows: torch.Tensor, value_scale: torch.Tensor | None,
                      value_blocks: torch.Tensor,
-                     tail: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                     tail: tuple[PlanarTail, torch.Tensor] | None = None, *,
                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One softmax over exact and latent tokens: (output [H, M, d] in fp32, the logsumexp of the
     logits [H, M] when `with_lse`, else None).
@@ -126,14 +131,8 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
             z = torch.matmul(p_sel.to(dtype), rows).float()  # [H, M, r_v]
         out += torch.matmul(z, value_blocks.float().transpose(1, 2))
         if tail is not None:  # the probabilities themselves: the int8 scales above belong to the lead rows
-            tail_rows, tail_blocks = tail
-            p_tail = probs[..., e:]
-            if tail_rows.shape[0] == 1:
-                heads, m, k = p_tail.shape
-                z = torch.matmul(p_tail.reshape(heads * m, k), tail_rows[0]).view(heads, m, -1)
-            else:
-                z = torch.matmul(p_tail, tail_rows)
-            out += torch.matmul(z, tail_blocks.float().transpose(1, 2))
+            lower, tail_blocks = tail
+            out += torch.matmul(lower.weighted(probs[..., e:]), tail_blocks.float().transpose(1, 2))
     return out, lse
 
 

@@ -293,8 +293,8 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
             value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
                                                         self._sv[:, : self._n], idx)
             if self._tv is not None:  # the lower bands join as extra value columns
-                tail = (self._tail_rows(idx, keys=False), head_blocks(self.basis_v[..., self.plan_v.lead :],
-                                                                      heads))
+                tail = (self.planar_tail(idx, keys=False), head_blocks(self.basis_v[..., self.plan_v.lead :],
+                                                                       heads))
         else:
             sel_logits = exact_logits.new_empty(heads, rows, 0)
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None

@@ -17,13 +17,7 @@ from .latent import gather_value_rows, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
 from .rope import apply_rope, undo_rope
 from .selection import latent_scores, pool_scores, select_tokens, update_relevance
-
-
-def mul_rows(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """q [H, M, r] times the rows [H or 1, k, r] of each head (1: shared by every head): [H, M, k]."""
-    if rows.shape[0] == 1:
-        return torch.matmul(q, rows[0].transpose(0, 1))
-    return torch.matmul(q, rows.transpose(1, 2))
+from .tail_planes import PlanarTail
 
 
 @dataclass
@@ -116,8 +110,7 @@ class LatentSelection:
         else:
             logits = gathered_logits(step.q_lat, step.coef_t, step.scale_k, idx, scaling)
         if self._tk is not None:  # the lower bands' share of the selected tokens' logits
-            logits += mul_rows(step.q_full[..., self.plan_k.lead :], self._tail_rows(idx, keys=True)).mul_(
-                scaling)
+            logits += self.planar_tail(idx, keys=True).logits(step.q_full[..., self.plan_k.lead :] * scaling)
         return idx, logits
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
@@ -137,6 +130,12 @@ class LatentSelection:
         if (self._tk if keys else self._tv) is None:
             return rows
         return torch.cat([rows, self._tail_rows(idx, keys)], dim=-1)
+
+    def planar_tail(self, idx: torch.Tensor, keys: bool) -> PlanarTail:
+        """The lower bands of the stored tokens `idx` [H or 1, k] as planes (`s4r.tail_planes`)."""
+        if keys:
+            return PlanarTail.gather(self._tk, self._tsk, idx, self.plan_k)
+        return PlanarTail.gather(self._tv, self._tsv, idx, self.plan_v)
 
     def _tail_rows(self, idx: torch.Tensor, keys: bool) -> torch.Tensor:
         """fp32 lower-band coefficients [H or 1, k, r - lead] of the stored tokens `idx` [H or 1, k]."""
