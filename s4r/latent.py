@@ -96,19 +96,17 @@ def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
 
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
                      value_rows: torch.Tensor, value_scale: torch.Tensor | None,
-                     value_blocks: torch.Tensor,
-                     tail: tuple[PlanarTail, torch.Tensor] | None = None, *,
+                     value_blocks: torch.Tensor, tail: PlanarTail | None = None, *,
                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One softmax over exact and latent tokens: (output [H, M, d] in fp32, the logsumexp of the
     logits [H, M] when `with_lse`, else None).
 
     exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
-    the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_v] (scales
-    [H or 1, k]; 1: the same tokens for every head);
-    value_blocks [H, d, r_v] is each KV head's block of the value basis. `tail`: more value coefficients
-    of the same tokens on more basis columns (fp32 rows [H or 1, k, r_t], blocks [H, d, r_t]), the lower
-    coefficient bands. The logsumexp lets attention over several token sets (segments of a cache with
-    bases of their own) be merged exactly (`merge_partial_attention`).
+    the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_lead] (scales
+    [H or 1, k]; 1: the same tokens for every head) and, with `tail`, their lower coefficient bands
+    (the basis columns after the first r_lead); value_blocks [H, d, r_v] is each KV head's block of the
+    value basis. The logsumexp lets attention over several token sets (segments of a cache with bases
+    of their own) be merged exactly (`merge_partial_attention`).
     """
     e = exact_logits.shape[-1]
     logits = torch.cat([exact_logits, sel_logits], dim=-1)
@@ -116,23 +114,19 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
     # from the largest probability: p_max = exp(max - lse), and p_max >= 1/n cannot underflow
     lse = logits.amax(dim=-1) - probs.amax(dim=-1).log() if with_lse else None
     p_exact, p_sel = probs[..., :e], probs[..., e:]
-    # fp32 except the one product over many selected rows (bf16 when the model is: the int8 rows are
-    # cast once, no fp32 copy); small bf16 matmuls cost more in call overhead than fp32 ones on CPU
+    # fp32 throughout: small bf16 matmuls cost more than fp32 ones on CPU, casts included
     out = torch.matmul(p_exact, exact_v.float())
     if value_rows.shape[1]:
-        if value_scale is not None:
-            p_sel = p_sel * value_scale.float().unsqueeze(1)
-        dtype = value_blocks.dtype
-        rows = value_rows.to(dtype)
-        if rows.shape[0] == 1:  # one token set for every head: a single [H*M, k] x [k, r_v] product
-            heads, m, k = p_sel.shape
-            z = torch.matmul(p_sel.reshape(heads * m, k).to(dtype), rows[0]).float().view(heads, m, -1)
+        weights = p_sel if value_scale is None else p_sel * value_scale.float().unsqueeze(1)
+        rows = value_rows.float()
+        if rows.shape[0] == 1:  # one token set for every head: a single [H*M, k] x [k, r] product
+            heads, m, k = weights.shape
+            z = torch.matmul(weights.reshape(heads * m, k), rows[0]).view(heads, m, -1)
         else:
-            z = torch.matmul(p_sel.to(dtype), rows).float()  # [H, M, r_v]
+            z = torch.matmul(weights, rows)  # [H, M, r_lead]
+        if tail is not None:  # the probabilities themselves: the int8 scales belong to the lead rows
+            z = torch.cat([z, tail.weighted(p_sel)], dim=-1)
         out += torch.matmul(z, value_blocks.float().transpose(1, 2))
-        if tail is not None:  # the probabilities themselves: the int8 scales above belong to the lead rows
-            lower, tail_blocks = tail
-            out += torch.matmul(lower.weighted(probs[..., e:]), tail_blocks.float().transpose(1, 2))
     return out, lse
 
 

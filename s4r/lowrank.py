@@ -292,15 +292,13 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
             idx, sel_logits = chosen
             value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
                                                         self._sv[:, : self._n], idx)
-            if self._tv is not None:  # the lower bands join as extra value columns
-                tail = (self.planar_tail(idx, keys=False), head_blocks(self.basis_v[..., self.plan_v.lead :],
-                                                                       heads))
+            if self._tv is not None:  # the lower bands join as more value coefficients
+                tail = self.planar_tail(idx, keys=False)
         else:
             sel_logits = exact_logits.new_empty(heads, rows, 0)
             value_rows, value_scale = self._cv[:, :0].expand(heads, 0, self._cv.shape[-1]), None
-        lead_basis = self.basis_v if self._tv is None else self.basis_v[..., : self.plan_v.lead]
         out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
-                               head_blocks(lead_basis, heads), tail, with_lse=with_lse)
+                               head_blocks(self.basis_v, heads), tail, with_lse=with_lse)
         # a question longer than the buffer would hold the cache over its ratio until the next step
         self.fold_buffer()
         return out

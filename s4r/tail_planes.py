@@ -48,13 +48,12 @@ def byte_planes(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> tor
     runs on contiguous rows."""
     batch, k, _ = codes.shape
     width_all = plan.rank - plan.lead
-    rows = codes.transpose(1, 2).contiguous()  # [B, bytes, k]
     planes = codes.new_empty(batch, width_all, k)
     col = at = 0
     for bits, width in plan.tails:
         nbytes, per = width * bits // 8, 8 // bits
-        band = rows[:, at : at + nbytes]
-        planes[:, col : col + nbytes] = band
+        band = planes[:, col : col + nbytes]
+        band.copy_(codes[..., at : at + nbytes].transpose(1, 2))  # the shifts below read contiguous rows
         for shift in range(1, per):
             start = col + shift * nbytes
             torch.bitwise_right_shift(band, shift * bits, out=planes[:, start : start + nbytes])
