@@ -34,33 +34,41 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.div(scale).round_().to(torch.int8), scale  # |x / scale| <= 127 by construction
 
 
-def _matmul_rows(q2: torch.Tensor, coef_t: torch.Tensor, scaling: float) -> torch.Tensor:
-    """scaling * [m, r] x [r, N] -> fp32 [m, N]; int8 coefficients without a float copy of them where
-    possible (the query rounded to int8 per row, an int32 product, one rescale pass)."""
-    if coef_t.dtype != torch.int8:
-        return torch.matmul(q2.to(coef_t.dtype), coef_t).float().mul_(scaling)
-    if int8_matmul_available(coef_t.device):
+def _matmul_rows(q2: torch.Tensor, coef_t: torch.Tensor, scaling: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """scaling * [m, r] x [r, N] -> fp32 [m, N] (into `out` when given); int8 coefficients without a
+    float copy of them where possible (the query rounded to int8 per row, an int32 product, one
+    rescale pass)."""
+    if coef_t.dtype == torch.int8 and int8_matmul_available(coef_t.device):
         q8, q_scale = quantize_rows(q2)
-        return torch.mul(torch._int_mm(q8, coef_t), q_scale.mul_(scaling))
-    dtype = q2.dtype if q2.dtype != torch.float32 else torch.bfloat16
-    return torch.matmul(q2.to(dtype), coef_t.to(dtype)).float().mul_(scaling)
+        return torch.mul(torch._int_mm(q8, coef_t), q_scale.mul_(scaling), out=out)
+    if coef_t.dtype == torch.int8:
+        dtype = q2.dtype if q2.dtype != torch.float32 else torch.bfloat16
+        q2, coef_t = q2.to(dtype), coef_t.to(dtype)
+    logits = torch.matmul(q2.to(coef_t.dtype), coef_t)
+    return logits.float().mul_(scaling) if out is None else out.copy_(logits).mul_(scaling)
 
 
 def latent_logits(q_lat: torch.Tensor, coef_t: torch.Tensor, scale: torch.Tensor | None,
-                  scaling: float) -> torch.Tensor:
-    """Attention logits [H, M, N] (fp32, times `scaling`) of query rows on every stored token.
+                  scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention logits [H, M, N] (fp32, times `scaling`) of query rows on every stored token, written
+    into `out` (an fp32 [H, M, N] view, e.g. the front of a larger buffer) when given.
 
     q_lat: [H, M, r] query coefficients (each KV head's rows projected on its basis block);
     coef_t: [G, r, N] key coefficients, token axis last (int8 or float); scale: [G, N] int8 scales or None.
     """
     heads, rows, rank = q_lat.shape
+    if out is None:
+        out = torch.empty(heads, rows, coef_t.shape[-1], dtype=torch.float32, device=q_lat.device)
     if coef_t.shape[0] == 1:
-        logits = _matmul_rows(q_lat.reshape(heads * rows, rank), coef_t[0], scaling).view(heads, rows, -1)
+        # out's head and row axes merge (a contiguous tensor, or the front of a wider buffer's rows)
+        _matmul_rows(q_lat.reshape(heads * rows, rank), coef_t[0], scaling, out.view(heads * rows, -1))
     else:
-        logits = torch.stack([_matmul_rows(q_lat[h], coef_t[h], scaling) for h in range(heads)])
+        for h in range(heads):
+            _matmul_rows(q_lat[h], coef_t[h], scaling, out[h])
     if scale is not None:
-        logits.mul_(scale.unsqueeze(1))  # bf16 scales promote into the fp32 logits in place
-    return logits
+        out.mul_(scale.unsqueeze(1))  # bf16 scales promote into the fp32 logits in place
+    return out
 
 
 def gathered_logits(q_lat: torch.Tensor, coef_t: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor,

@@ -173,15 +173,18 @@ class LatentSelection:
         n_rep = q_lat.shape[1] // q_len
         scored = q_lat if window == q_len else (
             q_lat.view(self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1))
-        logits = latent_logits(scored, step.coef_t, step.scale_k, step.scaling)
         ex = exact_logits if window == q_len else exact_logits.view(
             self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1)
         s, o = self.sinks, self._n_out
-        others = ex if not o else torch.cat([ex[..., :s], ex[..., s + o :]], dim=-1)
+        # one buffer [stored | sinks | buffer tokens]: the softmax's input, with no concatenation
+        buf = ex.new_empty(self.heads, scored.shape[1], n + ex.shape[-1] - o)
+        logits = latent_logits(scored, step.coef_t, step.scale_k, step.scaling, out=buf[..., :n])
+        buf[..., n : n + s] = ex[..., :s]
+        buf[..., n + s :] = ex[..., s + o :]
         if o:
             logits.index_copy_(2, self._out_long(), ex[..., s : s + o])  # outliers: their exact logits
         step.window, step.stored = window, n
-        step.window_logits = torch.cat([logits, others], dim=-1)
+        step.window_logits = buf
         step.full_logits = logits if window == q_len else None  # they double as the attention logits
 
     def _relevance_from(self, step: LatentStep, global_lse: torch.Tensor | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, staged_cache
+from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, staged_cache, tiled
 from s4r.generation import forward_tokens
 from tests.helpers import CharTokenizer, tiny_model
 
@@ -45,6 +45,21 @@ def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
     assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (PLAIN, 3)]
     assert rows[0].vs_full == 1.0 and all(r.median_ms > 0 for r in rows)
     assert "| 900 | s4r 2.5 |" in markdown(rows)
+
+
+def test_lengths_past_the_prefill_tile_it(monkeypatch):
+    monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
+    with torch.inference_mode():
+        staged = staged_cache(tiny_model("llama"), [i % 90 + 5 for i in range(900)], chunk_size=128)
+    long = tiled(staged, 2000)
+    keys, base = long.layers[1].keys_view, staged.layers[1].keys_view
+    assert long.logical_length() == 2000 and keys.shape[2] == 2000
+    torch.testing.assert_close(keys[:, :, 1800:], base[:, :, :200])
+    seen = []
+    rows = measure(tiny_loaded(), [900, 2000], [("s4r", 2.5)], steps=2, warmup=1, log=seen.append,
+                   prefill_tokens=900)
+    assert [r.length for r in rows] == [900] * 3 + [2000] * 3
+    assert "2000 tokens: 900 prefilled and tiled" in seen[-4]
 
 
 def test_layer_speed_times_every_kernel_on_one_layer():

@@ -1,7 +1,7 @@
 """Decode-speed table: every method's decode step against the fastest exact full cache, side by side.
 
     python -m s4r.bench.decode_speed --lengths 2k,4k,8k --ratios 2.5,5 --steps 32
-    python -m s4r.bench.decode_speed --lengths 16k,32k --rope-scaling 4
+    python -m s4r.bench.decode_speed --lengths 16k,32k --rope-scaling 4 --prefill 7600
     python -m s4r.bench.decode_speed --device cuda --random-weights -m llama-3.1-8b-instruct --lengths 32k,64k
 
 One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
@@ -27,6 +27,7 @@ from s4r.attention import handoff_plain, install
 from s4r.budget import KVShape
 from s4r.cache import CompressedCache
 from s4r.generation import prefill
+from s4r.layers import StagingLayer
 from s4r.methods import CompressContext, make_method
 from s4r.rope import model_rope_fn
 
@@ -82,6 +83,21 @@ def staged_cache(model, ids: list[int], chunk_size: int = 512) -> CompressedCach
     return cache
 
 
+def tiled(staged: CompressedCache, length: int) -> CompressedCache:
+    """A staged cache of `length` tokens made of `staged`'s keys, values and queries repeated (timing
+    only: a decode step costs the same whatever the tokens say, and a real 32k prefill takes an hour on
+    two CPU cores)."""
+    other = CompressedCache(len(staged.layers), staged.shape)
+    for i, layer in enumerate(staged.layers):
+        reps = -(-length // layer.logical)
+        copy = StagingLayer(layer.query_window)
+        copy.update(layer.keys_view.repeat(1, 1, reps, 1)[:, :, :length].contiguous(),
+                    layer.values_view.repeat(1, 1, reps, 1)[:, :, :length].contiguous())
+        copy.queries = None if layer.queries is None else layer.queries.clone()
+        other.layers[i] = copy
+    return other
+
+
 def plain_fork(model, staged: CompressedCache) -> PlainTransformersCache:
     """A `PlainTransformersCache` holding a copy of the staged keys and values."""
     cache = PlainTransformersCache(config=model.config)
@@ -112,17 +128,25 @@ def book_ids(tokenizer, tokens: int) -> list[int]:
 
 
 def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: int, warmup: int,
-            log=print) -> list[SpeedRow]:
-    """The speed table's rows: per length one prefill, the forks, one interleaved decode loop."""
+            log=print, prefill_tokens: int | None = None) -> list[SpeedRow]:
+    """The speed table's rows: per length one prefill (or, past `prefill_tokens`, that prefill tiled to
+    the length), the forks, one interleaved decode loop."""
     model = loaded.model
     install(model)
     rows: list[SpeedRow] = []
+    prefilled = None
     for length in lengths:
         ids = book_ids(loaded.tokenizer, length + steps + warmup)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            staged = staged_cache(model, ids[:length])
-            log(f"{length} tokens: prefill {time.perf_counter() - t0:.1f} s")
+            if prefill_tokens and length > prefill_tokens:
+                if prefilled is None:
+                    prefilled = staged_cache(model, ids[:prefill_tokens])
+                staged = tiled(prefilled, length)
+                log(f"{length} tokens: {prefill_tokens} prefilled and tiled, {time.perf_counter() - t0:.1f} s")
+            else:
+                staged = staged_cache(model, ids[:length])
+                log(f"{length} tokens: prefill {time.perf_counter() - t0:.1f} s")
             forks = make_forks(model, staged, combos)
         del staged
         timings = teacher_force(forks, ids[length:], warmup=warmup)
@@ -160,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's shape with random weights (timing only; no download)")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill at most this many tokens; longer lengths tile that prefill (timing only)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -175,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {"rope_scaling": args.rope_scaling} if args.rope_scaling else {}
     loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, **kwargs)
     combos = [(m, r) for m in args.methods.split(",") for r in ratios]
-    rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr))
+    rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr),
+                   prefill_tokens=args.prefill)
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
