@@ -85,7 +85,8 @@ class PlanarTail:
     plan: BandPlan
 
     @classmethod
-    def gather(cls, codes: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor, plan: BandPlan) -> PlanarTail:
+    def gather(cls, codes: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor,
+               plan: BandPlan) -> PlanarTail:
         """The tokens `idx` [B, k] of stored codes [G, N, bytes] and steps [G, N, bands] (G = 1: one
         layer basis; B = 1: one token set for every head)."""
         if codes.shape[0] == 1:

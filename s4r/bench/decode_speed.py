@@ -143,7 +143,8 @@ def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: 
                 if prefilled is None:
                     prefilled = staged_cache(model, ids[:prefill_tokens])
                 staged = tiled(prefilled, length)
-                log(f"{length} tokens: {prefill_tokens} prefilled and tiled, {time.perf_counter() - t0:.1f} s")
+                seconds = time.perf_counter() - t0
+                log(f"{length} tokens: {prefill_tokens} prefilled and tiled, {seconds:.1f} s")
             else:
                 staged = staged_cache(model, ids[:length])
                 log(f"{length} tokens: prefill {time.perf_counter() - t0:.1f} s")
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's shape with random weights (timing only; no download)")
     parser.add_argument("--prefill", type=int, default=None,
-                        help="prefill at most this many tokens; longer lengths tile that prefill (timing only)")
+                        help="prefill at most this many tokens; longer lengths tile that prefill "
+                        "(timing only)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
