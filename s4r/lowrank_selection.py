@@ -104,7 +104,9 @@ class LatentSelection:
         scaling = step.scaling
         if self.cfg.key_space == "pre_rope":
             return idx, self._rebuilt_key_logits(step.qf, idx, scaling)
-        if step.full_logits is not None:
+        if step.full_logits is not None and idx.shape[0] == 1:  # one token set: no expanded index
+            logits = step.full_logits.index_select(2, idx[0])
+        elif step.full_logits is not None:
             heads, rows, _ = step.full_logits.shape
             logits = torch.gather(step.full_logits, 2, idx.unsqueeze(1).expand(heads, rows, -1))
         else:
