@@ -85,14 +85,19 @@ def test_spilled_prefill_is_bit_identical(arch, dtype, temp_dir):
     assert not files_open_in(temp_dir) and not files_in(temp_dir)
 
 
+@needs_proc
 @pytest.mark.parametrize("method", ["full", "s4r", "snapkv"])
 def test_sessions_with_and_without_the_spill_agree(method, temp_dir):
     loaded = loaded_for(tiny_model("qwen3", dtype=torch.bfloat16))
     results = {}
     for spill in ("on", "off"):
         session = Session(loaded, method=method, ratio=2.0, chunk_size=128, hidden_spill=spill)
-        stats = [session.ingest(TEXT), session.ingest(TEXT[:300])]  # an append goes the same way
+        open_then: list[int] = []
+        # an append goes the same way
+        stats = [session.ingest(text, progress=lambda d, t, seen=open_then: seen.append(
+            len(files_open_in(temp_dir)))) for text in (TEXT, TEXT[:300])]
         assert [s.hidden_spilled for s in stats] == [spill == "on"] * 2
+        assert open_then == [int(spill == "on")] * 2 * session.shape.layers
         assert all(s.mode == "layerwise" for s in stats)
         answer, _ = session.ask("what?", max_new_tokens=6)
         layers = [(layer.keys_view, layer.values_view) for layer in session.cache.layers] \
@@ -117,10 +122,13 @@ def test_no_file_is_left_after_an_interrupted_or_failed_ingest(stop, temp_dir):
         if done >= 3 * total // session.shape.layers:
             raise stop("stopped")
 
-    with pytest.raises(stop):
+    # the error is kept, with its traceback and the frames it holds, as a REPL or a debugger would:
+    # the file must be closed by then, not only once those are garbage
+    with pytest.raises(stop) as caught:
         session.ingest(TEXT, progress=stop_at_third_layer)
     assert [len(files) for files in open_then] == [1, 1, 1]  # the spill was in use when it stopped
     assert not files_open_in(temp_dir) and not files_in(temp_dir)
+    assert caught.traceback
     assert session.cache is None  # and the session is as before: it can ingest again
     assert session.ingest(TEXT).hidden_spilled
 
@@ -141,10 +149,11 @@ def test_no_file_is_left_when_the_embedding_fails(temp_dir, monkeypatch):
 
     monkeypatch.setattr(HiddenSpill, "write", write_then_fail)
     ids = torch.arange(300) % 128
-    with torch.inference_mode(), pytest.raises(OSError, match="disk full"):
+    with torch.inference_mode(), pytest.raises(OSError, match="disk full") as caught:
         layerwise_prefill(model, CompressedCache(shape.layers, shape), ids, 0, 128, spill=True)
     assert calls == [0, 128]
     assert not files_open_in(temp_dir) and not files_in(temp_dir)
+    assert caught.traceback  # kept alive (see above)
 
 
 def test_spill_file_round_trips_blocks(tmp_path):
