@@ -201,3 +201,12 @@ def test_auto_session_spills_only_long_texts(temp_dir, monkeypatch):
     assert not session.ingest(TEXT[:200]).hidden_spilled
     with pytest.raises(S4RError):
         Session(loaded, hidden_spill="maybe")
+
+
+def test_stats_say_when_the_hidden_states_were_in_a_file():
+    from s4r_cli.ui import process_memory_text
+
+    proc = SimpleNamespace(peak_bytes=2**30, current_bytes=None, kind="RSS")
+    spilled = process_memory_text(proc, SimpleNamespace(mode="layerwise", hidden_spilled=True))
+    assert spilled.endswith("ingested layerwise (hidden states in a temp file)")
+    assert "temp file" not in process_memory_text(proc, SimpleNamespace(mode="layerwise", hidden_spilled=False))
