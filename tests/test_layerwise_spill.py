@@ -209,4 +209,5 @@ def test_stats_say_when_the_hidden_states_were_in_a_file():
     proc = SimpleNamespace(peak_bytes=2**30, current_bytes=None, kind="RSS")
     spilled = process_memory_text(proc, SimpleNamespace(mode="layerwise", hidden_spilled=True))
     assert spilled.endswith("ingested layerwise (hidden states in a temp file)")
-    assert "temp file" not in process_memory_text(proc, SimpleNamespace(mode="layerwise", hidden_spilled=False))
+    in_memory = process_memory_text(proc, SimpleNamespace(mode="layerwise", hidden_spilled=False))
+    assert "temp file" not in in_memory
