@@ -16,6 +16,7 @@ from .cache import CompressedCache
 from .chat_format import chat_segments
 from .errors import BudgetError, ContextTooLongError, S4RError
 from .generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
+from .hidden_spill import SPILL_MODES, spill_wanted
 from .layerwise import LAYERWISE_BLOCK, decoder_parts, ingest_layerwise
 from .memory import (
     MemoryReport,
@@ -52,16 +53,20 @@ class Session:
     time and compresses each layer as soon as it is complete, so an ingest never holds the full cache;
     it falls back to token chunks (`"chunked"`: a full staging cache, compressed once at the end) where
     the model or the method cannot go layer by layer (`ingest_mode_for` says which and why). Questions
-    and answers go through the compressed cache.
+    and answers go through the compressed cache. `hidden_spill` ("auto", "on", "off"): whether a
+    layer-wise ingest keeps the text's hidden states in a temporary file between layers instead of in
+    memory ("auto": on CPU, for long texts, where the temp dir is a disk; see `s4r.hidden_spill`).
     """
 
     def __init__(self, loaded, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
                  truncate: str | None = None, config_overrides: dict[str, Any] | None = None,
-                 chunk_size: int = 512, ingest: str = "layerwise") -> None:
+                 chunk_size: int = 512, ingest: str = "layerwise", hidden_spill: str = "auto") -> None:
         if method != "full":
             check_ratio(ratio, BudgetError, name="ratio", upper=None)
         if ingest not in INGEST_MODES:
             raise S4RError(f"unknown ingest mode '{ingest}' (choose {' or '.join(INGEST_MODES)})")
+        if hidden_spill not in SPILL_MODES:
+            raise S4RError(f"unknown hidden-state spill '{hidden_spill}' (choose {', '.join(SPILL_MODES)})")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -74,6 +79,7 @@ class Session:
         self.config_overrides = dict(config_overrides or {})
         self.chunk_size = chunk_size
         self.ingest_mode = ingest
+        self.hidden_spill = hidden_spill
         try:
             self._method = make_method(method, ratio, self.config_overrides)
         except ValueError as exc:
@@ -190,10 +196,11 @@ class Session:
         if not fresh:
             self.cache.begin_append()
         t0 = time.perf_counter()
+        spilled = False
         try:
             with torch.inference_mode():
                 if mode == "layerwise":
-                    self._layerwise(tensor, start, fresh, progress)
+                    spilled = self._layerwise(tensor, start, fresh, progress)
                 else:
                     prefill(self.model, self.cache, tensor, start, self.chunk_size, progress)
         except BaseException:
@@ -217,7 +224,8 @@ class Session:
         t2 = time.perf_counter()
         # the freed staging buffers go back to the OS instead of staying in the process's heap
         release_freed_memory(self.device)
-        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1, mode, peak_memory_bytes(self.device))
+        return IngestStats(len(ids), t2 - t0, t1 - t0, t2 - t1, mode, peak_memory_bytes(self.device),
+                           hidden_spilled=spilled)
 
     def _run_method(self) -> None:
         """Compress the staged cache with this session's method; what it chose goes to `compress_info`."""
@@ -227,16 +235,20 @@ class Session:
             self.compress_info = self._method.compress(self.cache, ctx)
 
     def _layerwise(self, ids: torch.Tensor, start: int, fresh: bool,
-                   progress: Callable[[int, int], None] | None) -> None:
+                   progress: Callable[[int, int], None] | None) -> bool:
         """Layer-wise prefill (see `s4r.layerwise.ingest_layerwise`); a fresh cache is compressed with the
-        method's own per-layer build as its layers complete."""
+        method's own per-layer build as its layers complete. Returns whether the hidden states waited
+        in a temporary file between layers (`hidden_spill`)."""
         def compress() -> None:
             self._compress(fallback=True)
 
+        embed = self.model.get_input_embeddings().weight
+        spill = spill_wanted(self.hidden_spill, ids.shape[0], embed.shape[1], embed.dtype, self.device)
         ingest_layerwise(self.model, self.cache, ids, start, min(self.chunk_size, LAYERWISE_BLOCK),
                          compress=compress if fresh else None, progress=progress,
                          # host heap only: emptying the CUDA cache per layer would only cost time
-                         after_layer=release_freed_memory)
+                         after_layer=release_freed_memory, spill=spill)
+        return spill
 
     def _compress(self, *, fallback: bool = False) -> None:
         """Compress the staged cache. With `fallback`, a ratio that cannot pay for itself at this length

@@ -24,6 +24,8 @@ class IngestStats:
     peak_mem_bytes: int = 0
     # document tokens --truncate left out (0 when the document fitted)
     dropped_tokens: int = 0
+    # whether a layer-wise ingest kept the hidden states in a temporary file between layers
+    hidden_spilled: bool = False
 
     @property
     def tok_s(self) -> float:

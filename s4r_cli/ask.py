@@ -85,6 +85,8 @@ def result_record(answer: str, stats: Any, args: CommonArgs, loaded: Any, sessio
         # the process's measured peak (RSS on CPU, CUDA allocated on GPU), weights included: not the cache
         "peak_mem_bytes": stats.peak_mem_bytes,
         "ingest_mode": session.last_ingest.mode if getattr(session, "last_ingest", None) else None,
+        # whether the last layer-wise ingest kept its hidden states in a temp file between layers
+        "hidden_spilled": bool(getattr(getattr(session, "last_ingest", None), "hidden_spilled", False)),
         "ingest_s": ingest_seconds,
         "device": str(loaded.device),
         "dtype": short_dtype(loaded.dtype),

@@ -24,7 +24,7 @@ from s4r_cli.generation_settings import GenerationSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 # options of a session that a saved cache keeps unless the user types them again
-SESSION_OPTIONS = ("method", "ratio", "system", "truncate", "ingest")
+SESSION_OPTIONS = ("method", "ratio", "system", "truncate", "ingest", "hidden_spill")
 
 
 class Dtype(str, Enum):
@@ -58,6 +58,15 @@ class Ingest(str, Enum):
 
     layerwise = "layerwise"
     chunked = "chunked"
+
+
+class HiddenSpill(str, Enum):
+    """Choices for --hidden-spill: where a layer-wise ingest keeps the text's hidden states between
+    layers."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
 
 
 # -- option declarations (used by both chat.py and ask.py so they are defined once) -----------------------
@@ -94,6 +103,10 @@ IngestOpt = Annotated[Ingest, typer.Option(
     "--ingest", case_sensitive=False, rich_help_panel=_CACHE,
     help="layerwise: one model layer at a time, each compressed when done (never the full cache; "
          "chunked where it cannot apply); chunked: the whole model per chunk, compressed at the end.")]
+HiddenSpillOpt = Annotated[HiddenSpill, typer.Option(
+    "--hidden-spill", case_sensitive=False, rich_help_panel=_CACHE,
+    help="layerwise ingest: keep the text's hidden states in a temporary file between layers (on), in "
+         "memory (off), or in a file for long texts on CPU when the temp dir is a disk (auto).")]
 RopeScalingOpt = Annotated[float | None, typer.Option(
     "--rope-scaling", metavar="FACTOR", rich_help_panel=_MODEL, show_default=False,
     help="Stretch the model's context FACTOR times (above 1, at most 8) by rescaling its RoPE; "
@@ -151,6 +164,7 @@ class CommonArgs(ModelOptions):
     method: MethodOpt = "s4r"
     truncate: TruncateOpt = None
     ingest: IngestOpt = Ingest.layerwise
+    hidden_spill: HiddenSpillOpt = HiddenSpill.auto
     system: SystemOpt = None
     max_new_tokens: MaxNewTokensOpt = 512
     temperature: TemperatureOpt = 0.0
@@ -183,7 +197,7 @@ class CommonArgs(ModelOptions):
         """Keyword arguments for Session(...) / Session.load(...)."""
         kw: dict[str, Any] = {"method": self.method, "ratio": self.ratio, "system": self.system,
                               "truncate": self.truncate.value if self.truncate else None,
-                              "ingest": self.ingest.value}
+                              "ingest": self.ingest.value, "hidden_spill": self.hidden_spill.value}
         if only_explicit:
             kw = {k: v for k, v in kw.items() if k in self.explicit}
         return kw

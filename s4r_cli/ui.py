@@ -99,6 +99,8 @@ def process_memory_text(proc: Any, ingest: Any = None) -> str:
         text += f", now {mib(proc.current_bytes)}"
     if ingest is not None:
         text += f" · last document ingested {ingest.mode}"
+        if getattr(ingest, "hidden_spilled", False):
+            text += " (hidden states in a temp file)"
     return text
 
 

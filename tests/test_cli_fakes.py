@@ -119,7 +119,7 @@ class FakeSession:
 
     def __init__(self, loaded: Any, *, method: str = "s4r", ratio: float = 5.0, system: str | None = None,
                  truncate: str | None = None, config_overrides: dict | None = None,
-                 ingest: str = "layerwise"):
+                 ingest: str = "layerwise", hidden_spill: str = "auto"):
         self.loaded, self.method, self.ratio_requested = loaded, method, float(ratio)
         self.ingest_mode, self.last_ingest = ingest, None
         self.system, self.truncate, self.config_overrides = system, truncate, config_overrides

@@ -56,6 +56,15 @@ def test_common_args_build_generation_and_note_typed_session_options() -> None:
     assert args.session_kwargs(only_explicit=True) == {"ratio": 8.0, "ingest": "chunked"}
 
 
+def test_hidden_spill_is_a_session_option() -> None:
+    ctx, args, _ = _run(CommonArgs, ["--hidden-spill", "off"])
+    args = common_args(ctx, args)
+    assert args.explicit == {"hidden_spill"}
+    assert args.session_kwargs(only_explicit=True) == {"hidden_spill": "off"}
+    _, default, _ = _run(CommonArgs, [])
+    assert default.session_kwargs()["hidden_spill"] == "auto"
+
+
 def test_common_args_are_validated() -> None:
     ctx, args, _ = _run(CommonArgs, ["--ratio", "0.5"])
     with pytest.raises(UsageError, match="--ratio must be at least 1"):

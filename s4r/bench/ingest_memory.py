@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..hidden_spill import SPILL_MODES
 from ..loading import load_model
 from ..memory import current_memory_bytes, peak_memory_bytes, release_freed_memory, reset_peak_memory
 from ..session import INGEST_MODES, Session
@@ -45,7 +46,7 @@ def measure(args: argparse.Namespace) -> dict:
     warm.ask("Hi", max_new_tokens=1)
     del warm
     session = Session(loaded, method=args.method, ratio=args.ratio, ingest=args.ingest,
-                      chunk_size=args.chunk_size)
+                      chunk_size=args.chunk_size, hidden_spill=args.hidden_spill)
     release_freed_memory(device)
     before = current_memory_bytes(device) or 0
     resettable = reset_peak_memory(device)
@@ -56,7 +57,8 @@ def measure(args: argparse.Namespace) -> dict:
     after = current_memory_bytes(device) or 0
     mem = session.memory()
     return {"model": loaded.name, "device": str(device), "method": args.method, "ratio": args.ratio,
-            "ingest": stats.mode, "tokens": stats.tokens, "seconds": round(seconds, 3),
+            "ingest": stats.mode, "hidden_spill": args.hidden_spill, "hidden_spilled": stats.hidden_spilled,
+            "tokens": stats.tokens, "seconds": round(seconds, 3),
             # CPU time of the process: on a busy machine a fairer measure of the work than wall time
             "cpu_seconds": round(cpu_seconds, 3),
             "prefill_seconds": round(stats.prefill_seconds, 3),
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=5.0)
     parser.add_argument("--ingest", choices=INGEST_MODES, default="layerwise")
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--hidden-spill", choices=SPILL_MODES, default="auto",
+                        help="layer-wise: hidden states between layers in a temp file (auto: long texts)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rope-scaling", type=float, default=None)
