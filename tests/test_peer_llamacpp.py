@@ -13,6 +13,8 @@ import pytest
 from s4r.bench import peer_gguf
 from s4r.bench.config import parse_lengths as bench_parse_lengths
 from s4r.bench.decode_speed import book_ids as s4r_book_ids
+from s4r.bench.peer_compare import compare
+from s4r.bench.peer_compare import markdown as compare_markdown
 from s4r.bench.peer_llamacpp import (
     KVShape,
     book_ids,
@@ -34,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_peer_imports_no_torch():
     # it must run under the llama.cpp venv's python, which has no torch
-    code = ("import sys; import s4r.bench.peer_llamacpp, s4r.bench.peer_gguf; "
+    code = ("import sys; import s4r.bench.peer_llamacpp, s4r.bench.peer_gguf, s4r.bench.peer_compare; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
@@ -125,3 +127,23 @@ def test_a_gguf_with_the_wrong_checksum_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="checksum"):
         peer_gguf.peer_gguf_path()
     assert not (home / "peer" / "model.gguf").exists()
+
+
+def _run(rows: list[tuple[int, str, float]], key: str) -> dict:
+    return {"rows": [{"length": n, key: name, "median_ms": ms} for n, name, ms in rows]}
+
+
+def test_compare_pairs_rounds_and_divides_tok_s():
+    s4r = [_run([(7600, "full", 100.0), (7600, "s4r 5", 50.0)], "method"),
+           _run([(7600, "s4r 5", 80.0)], "method")]
+    peer = [_run([(7600, "f16", 40.0), (7600, "q4_0", 100.0), (2048, "q4_0", 1.0)], "kv"),
+            _run([(7600, "q4_0", 160.0)], "kv")]
+    got = {(r.round, r.s4r, r.peer_kv): r.ratio for r in compare(s4r, peer)}
+    # s4r 5 at 50 ms (20 tok/s) against q4_0 at 100 ms (10 tok/s): twice as fast; rounds never mix
+    assert got == {(1, "full", "f16"): 0.4, (1, "s4r 5", "f16"): 0.8, (1, "full", "q4_0"): 1.0,
+                   (1, "s4r 5", "q4_0"): 2.0, (2, "s4r 5", "q4_0"): 2.0}
+    table = compare_markdown(compare(s4r, peer), ["s4r 5"])
+    assert "| 1 | 7,600 | s4r 5 | 20.0 | 25.0 | 0.80x | 10.0 | 2.00x |" in table
+    assert "full" not in table
+    with pytest.raises(ValueError):
+        compare(s4r, peer[:1])
