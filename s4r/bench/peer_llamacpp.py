@@ -137,6 +137,11 @@ def open_context(gguf: Path, kv: str, n_ctx: int, threads: int, flash_attn: bool
                            flash_attn=flash_attn, logits_all=False, verbose=False)
 
 
+def llama_tokenizer(llm: Any) -> Callable[[str], list[int]]:
+    """The model's own tokenizer, as llama.cpp runs it (no BOS, no special tokens: plain book text)."""
+    return lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+
 def state_bytes(llm: Any) -> int | None:
     """llama.cpp's own size of sequence 0's saved state (its KV cells plus a small header), if exposed."""
     import llama_cpp
@@ -178,25 +183,18 @@ def decode_interleaved(contexts: list[Any], ids: Sequence[int],
 def measure(gguf: Path, lengths: list[int], kv_types: list[str], steps: int, warmup: int, threads: int,
             flash_attn: bool = True, batch: int = 512, log: Callable[[str], None] = print) -> list[PeerRow]:
     """The peer table's rows: per length, one prefill per KV type, then one interleaved decode loop."""
-    import llama_cpp
-
-    vocab = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
-    shape = shape_from_metadata(vocab.metadata)
-
-    def encode(text: str) -> list[int]:
-        return vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-
     rows: list[PeerRow] = []
     for length in lengths:
-        ids = book_ids(encode, length + warmup + steps)
-        contexts, prefills = [], []
-        for kv in kv_types:
-            llm = open_context(gguf, kv, len(ids), threads, flash_attn, batch)
+        total = length + warmup + steps
+        contexts = [open_context(gguf, kv, total, threads, flash_attn, batch) for kv in kv_types]
+        shape = shape_from_metadata(contexts[0].metadata)
+        ids = book_ids(llama_tokenizer(contexts[0]), total)
+        prefills = []
+        for kv, llm in zip(kv_types, contexts, strict=True):
             t0 = time.perf_counter()
             llm.eval(ids[:length])
             prefills.append(time.perf_counter() - t0)
             log(f"{length} tokens, {kv}: prefill {prefills[-1]:.1f} s ({length / prefills[-1]:.0f} tok/s)")
-            contexts.append(llm)
         times, hits = decode_interleaved(contexts, ids[length:], warmup)
         f16 = kv_cache_bytes(REFERENCE_KV, shape, length)
         for kv, llm, prefill, secs, hit in zip(kv_types, contexts, prefills, times, hits, strict=True):
@@ -210,7 +208,6 @@ def measure(gguf: Path, lengths: list[int], kv_types: list[str], steps: int, war
             llm.close()
         del contexts
         gc.collect()
-    vocab.close()
     return rows
 
 
