@@ -1,6 +1,7 @@
 """llama.cpp's decode speed on the document, model file and thread count of `decode_speed` (issue 8's peer).
 
-    /work/llamacpp-venv/bin/python -m s4r.bench.peer_llamacpp --lengths 2k,4k,7600 --kv f16,q8_0,q4_0 \\
+    python3 -m venv ~/llamacpp-venv && ~/llamacpp-venv/bin/pip install llama-cpp-python    # once
+    ~/llamacpp-venv/bin/python -m s4r.bench.peer_llamacpp --lengths 2k,4k,7600 --kv f16,q8_0,q4_0 \\
         --threads 1 --steps 32 --json peer.json
 
 Runs under a python with llama-cpp-python and without torch (its own venv: llama.cpp is an optional
