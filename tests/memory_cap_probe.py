@@ -1,4 +1,5 @@
-"""Subprocess of tests/test_memory_cap.py: ingest one document under an address-space cap.
+"""Subprocess of tests/test_memory_cap.py: ingest one document under an address-space cap (and the
+shared runner of the memory-cap probes).
 
     python -m tests.memory_cap_probe FRACTION
 
@@ -11,9 +12,14 @@ Prints one line per attempt: "<mode> ok <stored bytes> <full bytes>" or "<mode> 
 from __future__ import annotations
 
 import gc
+import os
 import resource
+import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -31,34 +37,53 @@ def vm_size_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
 
 
+def run_probe(module: str, fraction: float) -> dict[str, str]:
+    """Run probe `module` (`tests.<name>`) with FRACTION in a subprocess: {attempt: rest of its line}."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-m", module, str(fraction)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+
+
+def ingest_under_cap(loaded, text: str, extra_bytes: int, attempts: dict[str, dict[str, Any]],
+                     reference: Callable[[Session], int], warm_kwargs: dict[str, Any]) -> None:
+    """Warm every code path up, cap the address space at its size now plus `extra_bytes`, then ingest
+    `text` at ratio 5 once per attempt (its Session options); print "<attempt> ok <stored bytes>
+    <reference bytes>" or "<attempt> out-of-memory" for each."""
+    # every code path once before the cap (library workspaces, lazily loaded kernels, a spill file)
+    warm = Session(loaded, method="s4r", ratio=2, chunk_size=256, **warm_kwargs)
+    warm.ingest(text[:600])
+    warm.ask("hi", max_new_tokens=1)
+    del warm
+    gc.collect()
+    release_freed_memory()
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size_bytes() + extra_bytes, resource.RLIM_INFINITY))
+    for label, kwargs in attempts.items():
+        session = Session(loaded, method="s4r", ratio=5, chunk_size=256, **kwargs)
+        try:
+            session.ingest(text)
+            print(f"{label} ok {session.memory().stored_bytes} {reference(session)}", flush=True)
+        except (MemoryError, RuntimeError) as exc:
+            if "alloc" not in str(exc) and not isinstance(exc, MemoryError):
+                raise
+            print(f"{label} out-of-memory", flush=True)
+        del session
+        gc.collect()
+        release_freed_memory()
+
+
 def main(fraction: float) -> None:
     model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                        intermediate_size=128, num_hidden_layers=48, max_position_embeddings=4096)
     loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="deep-narrow", device="cpu",
                              dtype=torch.float32, context_length=4096)
     text = "".join(chr(97 + (i * 7919) % 26) for i in range(DOC_CHARS))
-    # every code path once before the cap (library workspaces, lazily loaded kernels)
-    warm = Session(loaded, method="s4r", ratio=2, chunk_size=256)
-    warm.ingest(text[:600])
-    warm.ask("hi", max_new_tokens=1)
-    del warm
     full = KVShape.from_config(model.config, 4).full_bytes(DOC_CHARS)
-    gc.collect()
-    release_freed_memory()
-    resource.setrlimit(resource.RLIMIT_AS, (vm_size_bytes() + int(fraction * full), resource.RLIM_INFINITY))
-    for mode in ("chunked", "layerwise"):
-        session = Session(loaded, method="s4r", ratio=5, ingest=mode, chunk_size=256)
-        try:
-            session.ingest(text)
-            mem = session.memory()
-            print(f"{mode} ok {mem.stored_bytes} {mem.full_bytes}", flush=True)
-        except (MemoryError, RuntimeError) as exc:
-            if "alloc" not in str(exc) and not isinstance(exc, MemoryError):
-                raise
-            print(f"{mode} out-of-memory", flush=True)
-        del session
-        gc.collect()
-        release_freed_memory()
+    ingest_under_cap(loaded, text, int(fraction * full),
+                     {"chunked": {"ingest": "chunked"}, "layerwise": {"ingest": "layerwise"}},
+                     lambda session: session.memory().full_bytes, {})
 
 
 if __name__ == "__main__":
