@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .coef_bands import decode_tails
 from .growable import MIN_SPARE
 from .latent import gather_value_rows, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
@@ -131,28 +130,13 @@ class LatentSelection:
         rows = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
         if (self._tk if keys else self._tv) is None:
             return rows
-        return torch.cat([rows, self._tail_rows(idx, keys)], dim=-1)
+        return torch.cat([rows, self.planar_tail(idx, keys).rows()], dim=-1)
 
     def planar_tail(self, idx: torch.Tensor, keys: bool) -> PlanarTail:
         """The lower bands of the stored tokens `idx` [H or 1, k] as planes (`s4r.tail_planes`)."""
         if keys:
             return PlanarTail.gather(self._tk, self._tsk, idx, self.plan_k)
         return PlanarTail.gather(self._tv, self._tsv, idx, self.plan_v)
-
-    def _tail_rows(self, idx: torch.Tensor, keys: bool) -> torch.Tensor:
-        """fp32 lower-band coefficients [H or 1, k, r - lead] of the stored tokens `idx` [H or 1, k]."""
-        n = self._n
-        codes, steps = (self._tk, self._tsk) if keys else (self._tv, self._tsv)
-        plan = self.plan_k if keys else self.plan_v
-        if codes.shape[0] == 1:
-            flat = idx.reshape(-1)
-            tail = decode_tails(codes[0, :n].index_select(0, flat), steps[0, :n].index_select(0, flat), plan)
-            return tail.view(*idx.shape, tail.shape[-1])  # explicit width: idx may be empty
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return torch.gather(t[:, :n], 1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-
-        return decode_tails(pick(codes), pick(steps), plan)
 
     def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
         q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
