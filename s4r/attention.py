@@ -22,9 +22,11 @@ from .errors import S4RError
 ATTN_NAME = "s4r"
 _active = threading.local()
 
-# Queries up to this length fold the query heads of a KV group into the query axis. SDPA with
+# On CPU, queries up to this length fold the query heads of a KV group into the query axis. SDPA with
 # `enable_gqa` takes a slow path on CPU for short queries (7x slower for one token in bf16); long
 # chunks (prefill) run as fast either way, and folding them would multiply the mask by the group size.
+# Not on CUDA: its kernels run one block per head and query block, so folding a decode step's query
+# heads into one row block per KV head leaves most of the GPU idle (BENCHMARKS.md, GPU run).
 FOLD_MAX_QUERY = 16
 
 
@@ -105,12 +107,12 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     `prefix` keys before the causal part are visible to every query (defaults to all older keys).
     query [B, Hq, q, d]; key/value [B, H, S, d] with H dividing Hq. Returns [B, Hq, q, d].
-    Short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem per KV
-    head, the same arithmetic as `enable_gqa` without its slow path.
+    On CPU, short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem
+    per KV head, the same arithmetic as `enable_gqa` without its slow path.
     """
     q_heads, q_len, s_len = query.shape[1], query.shape[-2], key.shape[-2]
     kv_heads = key.shape[1]
-    if kv_heads == q_heads or q_len > FOLD_MAX_QUERY:
+    if kv_heads == q_heads or q_len > FOLD_MAX_QUERY or query.device.type != "cpu":
         mask = additive_causal_mask(q_len, s_len, prefix, query.dtype, query.device)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                               enable_gqa=kv_heads != q_heads)

@@ -89,10 +89,8 @@ def load_model(
     profile: Profile | None = None
     kind = model_spec_kind(spec)
     if random_weights:
-        if quant != "none":
-            raise ModelLoadError("random weights cannot be combined with --quant 8bit/4bit")
         profile = load_profile(spec)
-        model, tokenizer = build_random(profile, dev, dt, progress, rope_scaling)
+        model, tokenizer = build_random(profile, dev, dt, progress, rope_scaling, quant=quant)
         source = "random"
     elif kind in ("profile", "unknown"):
         profile = load_profile(spec)  # raises "unknown model" for a bare unknown name

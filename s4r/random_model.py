@@ -10,7 +10,9 @@ import torch
 from s4r.embedded_model import embedded_model_dir
 from s4r.errors import DeviceError, ModelLoadError, first_line
 from s4r.load_progress import Progress, report
-from s4r.profiles import Profile
+from s4r.model_store import models_dir
+from s4r.profiles import DEFAULT_PROFILE, Profile
+from s4r.random_quant import quantize_linears
 from s4r.rope_scaling import scale_rope
 
 if TYPE_CHECKING:
@@ -20,12 +22,17 @@ __all__ = ["build_config", "build_random"]
 
 
 def _random_tokenizer(profile: Profile, progress: Progress | None) -> PreTrainedTokenizerBase:
-    """The profile's own tokenizer if it is in the local HF cache, else the embedded SmolLM2 one."""
+    """The profile's own tokenizer if it is in the local HF cache, else the embedded SmolLM2 one (its
+    tokenizer files alone will do: a random model needs no converted weights)."""
     from transformers import AutoTokenizer
 
     if profile.source == "hub" and profile.hf_id:
         with contextlib.suppress(Exception):
             return AutoTokenizer.from_pretrained(profile.hf_id, local_files_only=True)
+    embedded = models_dir() / DEFAULT_PROFILE
+    if (embedded / "tokenizer.json").is_file():
+        with contextlib.suppress(Exception):
+            return AutoTokenizer.from_pretrained(str(embedded), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(embedded_model_dir(progress=progress)))
 
 
@@ -47,8 +54,10 @@ def build_random(
     dtype: torch.dtype,
     progress: Progress | None,
     rope_scaling: float | None = None,
+    quant: str = "none",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A model of the profile's shape with seeded random weights, and a tokenizer to drive it."""
+    """A model of the profile's shape with seeded random weights, and a tokenizer to drive it; with `quant`
+    "8bit"/"4bit" its linear layers are bitsandbytes ones, as `--quant` loads a checkpoint."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = _random_tokenizer(profile, progress)
@@ -61,6 +70,8 @@ def build_random(
         # Initialising on the target device is much faster for GPU-sized shapes than init-then-copy.
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if quant != "none":
+            quantize_linears(model, quant, dtype, device)
     except (MemoryError, torch.OutOfMemoryError) as exc:
         raise DeviceError(f"not enough memory for a random-weight {profile.name} on {device}") from exc
     vocab = model.get_input_embeddings().num_embeddings

@@ -3,6 +3,7 @@
     python -m s4r.bench.decode_speed --lengths 2k,4k,8k --ratios 2.5,5 --steps 32
     python -m s4r.bench.decode_speed --lengths 16k,32k --rope-scaling 4 --prefill 7600
     python -m s4r.bench.decode_speed --device cuda --random-weights -m llama-3.1-8b-instruct --lengths 32k,64k
+    python -m s4r.bench.decode_speed --device cuda --random-weights --quant 4bit -m llama-3.1-8b-instruct
 
 One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
 (s4r's exact cache, grouped heads folded), each method at each ratio, and `transformers` (plain
@@ -71,6 +72,7 @@ class SpeedRow:
     median_ms: float
     vs_full: float
     steps: int
+    kv_mib: float = 0.0  # what the cache holds (for the transformers row: its keys and values)
 
 
 def staged_cache(model, ids: list[int], chunk_size: int = 512) -> CompressedCache:
@@ -155,19 +157,27 @@ def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: 
         for fork, timing in zip(forks, timings, strict=True):
             achieved = fork.cache.ratio() if isinstance(fork.cache, CompressedCache) else 1.0
             rows.append(SpeedRow(length, fork.name, achieved, timing.median_ms, base / timing.median_ms,
-                                 timing.steps))
+                                 timing.steps, cache_bytes(fork.cache) / 2**20))
             log(f"  {fork.name:14s} {timing.median_ms:8.1f} ms/token  {base / timing.median_ms:5.2f}x full")
         del forks
     return rows
 
 
+def cache_bytes(cache: Any) -> int:
+    """Bytes a fork's cache holds: `nbytes` of an s4r cache, keys plus values of a plain one."""
+    if isinstance(cache, CompressedCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
 def markdown(rows: list[SpeedRow]) -> str:
     """The rows as a markdown table."""
-    lines = ["| length | method | achieved ratio | ms/token (median) | decode vs full | steps |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| length | method | achieved ratio | KV MiB | ms/token (median) | decode vs full | steps |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.length:,} | {r.method} | {r.achieved_ratio:.2f} | {r.median_ms:.1f} | "
-                     f"{r.vs_full:.2f}x | {r.steps} |")
+        lines.append(f"| {r.length:,} | {r.method} | {r.achieved_ratio:.2f} | {r.kv_mib:,.1f} | "
+                     f"{r.median_ms:.1f} | {r.vs_full:.2f}x | {r.steps} |")
     return "\n".join(lines)
 
 
@@ -183,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rope-scaling", type=float, default=None)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quant", default="none", choices=("none", "8bit", "4bit"),
+                        help="bitsandbytes weights (CUDA), as `s4r chat --quant`")
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's shape with random weights (timing only; no download)")
     parser.add_argument("--prefill", type=int, default=None,
@@ -201,14 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     from s4r.loading import load_model
 
     kwargs = {"rope_scaling": args.rope_scaling} if args.rope_scaling else {}
-    loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, **kwargs)
+    loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, quant=args.quant,
+                        **kwargs)
     combos = [(m, r) for m in args.methods.split(",") for r in ratios]
     rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr),
                    prefill_tokens=args.prefill)
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
+            peak = torch.cuda.max_memory_allocated() if loaded.device.type == "cuda" else None
             json.dump({"argv": sys.argv, "threads": torch.get_num_threads(), "device": str(loaded.device),
+                       "quant": args.quant, "peak_device_bytes": peak,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
