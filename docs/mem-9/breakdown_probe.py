@@ -3,16 +3,19 @@ first LAYERS layers (the per-layer pattern repeats; later layers only add compre
 
     PYTHONPATH=<tree> OMP_NUM_THREADS=1 python docs/mem-9/breakdown_probe.py TOKENS ROPE|none LAYERS
 """
-import json, sys, time
-import torch
+import contextlib
+import sys
+
+import s4r.cache as CA
 import s4r.compress as C
 import s4r.session as S
 from s4r.bench.ingest_memory import passage
 from s4r.loading import load_model
-from s4r.memory import release_freed_memory, reset_peak_memory, _status_kib
+from s4r.memory import _status_kib, release_freed_memory, reset_peak_memory
 from s4r.session import Session
 
-TOKENS, ROPE, LAYERS = int(sys.argv[1]), float(sys.argv[2]) if sys.argv[2] != "none" else None, int(sys.argv[3])
+TOKENS, LAYERS = int(sys.argv[1]), int(sys.argv[3])
+ROPE = float(sys.argv[2]) if sys.argv[2] != "none" else None
 MiB = 1024 * 1024
 rows, base = [], [0]
 
@@ -58,7 +61,6 @@ release_freed_memory()
 base[0] = _status_kib("VmRSS") * 1024
 rows.clear()
 orig_reserve, orig_release = session.__class__, None
-import s4r.cache as CA
 r0, r1 = CA.CompressedCache.reserve_layer, CA.CompressedCache.release_layer
 def reserve(self, i, *a):
     mark(f"L{i-1} before reserve {i}" if i else "start")
@@ -76,10 +78,9 @@ def comp(**k):
     mark(f"L0 compressed; cache nbytes={session.cache.nbytes()/MiB:.1f} MiB")
 session._compress = comp
 reset_peak_memory()
-try:
+with contextlib.suppress(Stop):
     session.ingest(text)
-except Stop:
-    pass
-print(f"tokens {TOKENS} rope {ROPE}; MiB above RSS before ingest: peak in segment ending at label, RSS at label")
+print(f"tokens {TOKENS} rope {ROPE}; MiB above RSS before ingest: peak in segment ending at label, "
+      "RSS at label")
 for label, peak, rss in rows:
     print(f"{peak:8.1f} {rss:8.1f}  {label}")

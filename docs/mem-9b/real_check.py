@@ -1,8 +1,12 @@
 """Real model: spill on vs off, s4r and full, document + append; compare every tensor of the cache."""
-import sys, torch
+import sys
+
+import torch
+
+from s4r.books import load_book
 from s4r.loading import load_model
 from s4r.session import Session
-from s4r.books import load_book
+
 torch.set_num_threads(1)
 loaded = load_model('smollm2-135m')
 tok = loaded.tokenizer
@@ -23,6 +27,8 @@ for method in sys.argv[2].split(","):
         ans, _ = s.ask("Who is speaking?", max_new_tokens=12)
         res[n] = (ans, [x.hidden_spilled for x in st], tensors(s), s.memory())
     a, b = list(res.values())[0], list(res.values())[-1] if len(res) > 1 else None
-    n_eq = sum(torch.equal(x[1], y[1]) for x, y in zip(a[2], b[2]))
-    print("unequal:", sorted({x[0] for x, y in zip(a[2], b[2]) if not torch.equal(x[1], y[1])}))
-    print(method, "spilled", a[1], b[1], "answers equal", a[0] == b[0], repr(a[0]), "tensors equal", n_eq, "/", len(a[2]), len(b[2]), "memory equal", a[3] == b[3])
+    n_eq = sum(torch.equal(x[1], y[1]) for x, y in zip(a[2], b[2], strict=True))
+    print("unequal:", sorted({x[0] for x, y in zip(a[2], b[2], strict=True) if not torch.equal(x[1], y[1])}))
+    print(method, "spilled", a[1], b[1], "answers equal", a[0] == b[0], repr(a[0]), "tensors equal", n_eq,
+          "/",
+          len(a[2]), len(b[2]), "memory equal", a[3] == b[3])
