@@ -39,13 +39,30 @@ class S4RConfig:
     normalize: bool = True
 
     # share of the stored tokens the bases represent worst (largest relative residual) that are also
-    # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses
-    outlier_fraction: float = 0.03
+    # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses.
+    # With pre-RoPE keys the bases miss far less: 1% measured as well as 3% and 0% (docs/notes-round6.md)
+    # and leaves the bytes to rank
+    outlier_fraction: float = 0.01
     # how outliers are chosen: "residual" (worst relative reconstruction error) or "attention" (largest
     # first-order change of the prompt's last queries' attention output, see compress.attention_effect)
     outlier_score: Literal["residual", "attention"] = "residual"
 
-    key_space: KeySpace = "post_rope"
+    # "pre_rope" (ShadowKV's and xKV's choice) fits the key bases before the rotary embedding, where keys
+    # are far more low-rank: at ratio 5 on the tuning book the multi-needle answer-NLL gap to the full
+    # cache fell from +0.14 to +0.03 nats. Decoding then rebuilds the selected keys and rotates them (the
+    # paper's sparse reconstruction). "post_rope" keys attend in latent space without rebuilding
+    # anything, about twice as fast a step on a CPU (the `s4r-fast` method)
+    key_space: KeySpace = "pre_rope"
+    # pre-RoPE keys are scored without rotating each stored token to its position: "aligned" dots the
+    # query with them as if every token sat at the query's own position (the dimensions that rotate fast
+    # then add a large term no real distance gives); "expected" rotates the query by the mean rotation
+    # over the stored tokens' distances, the expected logit, in which those dimensions average out
+    rope_scoring: Literal["aligned", "expected"] = "expected"
+    # with "expected": the mean is taken over chunks of this many stored tokens, each scored by its own
+    # chunk's rotation (dimensions slow over a chunk keep their phase); 0: one chunk, every stored token.
+    # 7.6k-token perplexity gap at ratio 5 (tuning book): aligned +0.099, one chunk +0.038, chunks of 1024
+    # +0.007, 512 +0.004 to +0.006, 256 +0.004, 128 -0.000 (fewer chunks: fewer products per step)
+    rope_chunk: int = 1024
     granularity: Granularity = "layer"
     # int8 coefficients (with a per-token scale) buy about twice the rank of model-dtype ones
     coef_dtype: CoefDtype = "int8"
@@ -58,8 +75,11 @@ class S4RConfig:
 
     # decode
     local_window: int = 32
-    # fraction of the stored tokens reconstructed per step; None means "the storage fraction" 1/ratio
+    # fraction of the stored tokens reconstructed per step; None means "the storage fraction" 1/ratio (the
+    # paper's choice), at most `recon_cap`: at ratio 2.5, rebuilding 20% instead of 40% of the pre-RoPE
+    # keys measured as well on the tuning book's needles and halves that work (docs/notes-round6.md)
     recon_fraction: float | None = None
+    recon_cap: float = 0.2
     top_k: int | None = None
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
@@ -100,6 +120,12 @@ class S4RConfig:
             raise ValueError("recent_share must be in [0, 1]")
         if self.recon_fraction is not None and not 0.0 < self.recon_fraction <= 1.0:
             raise ValueError("recon_fraction must be in (0, 1]")
+        if not 0.0 < self.recon_cap <= 1.0:
+            raise ValueError("recon_cap must be in (0, 1]")
+        if self.rope_chunk < 0:
+            raise ValueError("rope_chunk must be >= 0 (0: one chunk)")
+        if self.rope_scoring not in ("aligned", "expected"):
+            raise ValueError(f"rope_scoring must be aligned or expected, got {self.rope_scoring!r}")
         if self.scoring not in ("query", "max", "mean", "summed"):
             raise ValueError(f"scoring must be query, max, mean or summed, got {self.scoring!r}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
@@ -114,6 +140,13 @@ class S4RConfig:
             raise ValueError("segment_tokens must be >= 0 (0: appended text folds into the first bases)")
 
     @classmethod
+    def fast(cls, ratio: float = 5.0) -> S4RConfig:
+        """Post-RoPE keys attended in latent space (no key is rebuilt), with the outliers that space
+        needs: the default of rounds 3-5, about twice as fast a decode step on a CPU as the default and
+        less faithful (docs/notes-round6.md)."""
+        return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0)
+
+    @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
         """The paper's literal settings: fixed K/V ranks split evenly, coefficients in the model's dtype,
         no outliers, W=32, kernel 7, p = 1/ratio, one set of bases per layer (appended text folds into
@@ -122,7 +155,7 @@ class S4RConfig:
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
                    coef_bands=None, outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
-                   scoring="summed", segment_tokens=0)
+                   recon_cap=1.0, scoring="summed", segment_tokens=0)
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""
@@ -151,5 +184,7 @@ class S4RConfig:
         """How many compressed tokens to reconstruct per decode step (besides the local window)."""
         if self.top_k is not None:
             return min(self.top_k, stored_tokens)
-        frac = self.recon_fraction if self.recon_fraction is not None else 1.0 / (self.ratio or 1.0)
+        frac = self.recon_fraction
+        if frac is None:
+            frac = min(1.0 / (self.ratio or 1.0), self.recon_cap)
         return min(stored_tokens, max(1, int(round(frac * stored_tokens))))

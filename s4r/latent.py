@@ -71,6 +71,43 @@ def latent_logits(q_lat: torch.Tensor, coef_t: torch.Tensor, scale: torch.Tensor
     return out
 
 
+def chunked_latent_logits(queries: torch.Tensor, bounds: list[int], coef_t: torch.Tensor,
+                          scale: torch.Tensor | None, scaling: float, out: torch.Tensor) -> torch.Tensor:
+    """`latent_logits` where each range of stored tokens bounds[c]..bounds[c+1] has its own query rows
+    `queries[c]` [H, M, r] (chunked pre-RoPE scoring), written into `out` [H, M, N].
+
+    With int8 coefficients on a CPU the queries are rounded to int8 together and each chunk costs one
+    int8 product and one rescale. Elsewhere (a GPU, float coefficients) the equal-sized chunks go through
+    one batched product over a strided view of the coefficients, so a step launches a handful of kernels
+    whatever the number of chunks, and the last, shorter chunk one more."""
+    chunks, heads, rows, rank = queries.shape
+    flat = out.view(heads * rows, -1)
+    if coef_t.shape[0] != 1:  # per-head bases: a product per head and chunk
+        for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            latent_logits(queries[c], coef_t[..., lo:hi], None, scaling, out=out[..., lo:hi])
+    elif coef_t.dtype == torch.int8 and int8_matmul_available(coef_t.device):
+        q8, q_scale = quantize_rows(queries.reshape(chunks * heads * rows, rank))
+        q8, q_scale = q8.view(chunks, heads * rows, rank), q_scale.mul_(scaling).view(chunks, heads * rows, 1)
+        for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            torch.mul(torch._int_mm(q8[c], coef_t[0, :, lo:hi]), q_scale[c], out=flat[:, lo:hi])
+    else:
+        dtype = torch.bfloat16 if coef_t.dtype == torch.int8 else coef_t.dtype
+        q = queries.reshape(chunks, heads * rows, rank).to(dtype)
+        width = bounds[1] - bounds[0]
+        whole = (bounds[-1] // width) if len(bounds) > 2 else 0  # chunks of the full width
+        if whole:
+            span = whole * width
+            coef = coef_t[0, :, :span].to(dtype).view(rank, whole, width).transpose(0, 1)  # [C', r, L]
+            flat[:, :span].view(heads * rows, whole, width).transpose(0, 1).copy_(torch.bmm(q[:whole], coef))
+        for c in range(whole, chunks):
+            lo, hi = bounds[c], bounds[c + 1]
+            flat[:, lo:hi] = torch.matmul(q[c], coef_t[0, :, lo:hi].to(dtype))
+        flat[:, : bounds[-1]].mul_(scaling)
+    if scale is not None:
+        out[..., : bounds[-1]].mul_(scale.unsqueeze(1))
+    return out
+
+
 def gathered_logits(q_lat: torch.Tensor, coef_t: torch.Tensor, scale: torch.Tensor | None, idx: torch.Tensor,
                     scaling: float) -> torch.Tensor:
     """Logits [H, M, k] of query rows on the tokens `idx` [H, k] only (for long query chunks, where the

@@ -82,6 +82,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         self._decay = decay_factor(cfg.query_window)
         self._prompt_coefs = n  # where the prompt's last queries (query_coef) sat
         self.selected: torch.Tensor | None = None  # [H, k] stored tokens the last step attended (inspection)
+        # where the step's queries end, counted like this layer's tokens: a segment of a `SegmentedLayer`
+        # that is not the last one is told (its own length is not where the queries are); None: logical
+        self.query_end: int | None = None
         self.logical = self.sinks + n
         # while True an appended document stays exact in the buffer (no folds) until it is settled
         self.collecting = False
@@ -193,7 +196,7 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         k = exact_k
         if self.cfg.key_space == "pre_rope":
             start = self.sinks + self._n
-            k = undo_rope(k, *self._rope(torch.arange(start, start + n)))
+            k = undo_rope(k, *self._rope(torch.arange(start, start + n, device=k.device)))
         picks = self._new_outliers(k, v)
         first = self._n
         ck, sk, tk, tsk = self._encode(k, self.basis_k)

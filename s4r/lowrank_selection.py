@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from .growable import MIN_SPARE
-from .latent import gather_value_rows, gathered_logits, latent_logits
+from .latent import chunked_latent_logits, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
-from .rope import apply_rope, undo_rope
+from .rope import chunk_rotations, half_angles, rotate_dim_major, rotate_half, undo_rope
 from .selection import latent_scores, pool_scores, select_tokens, update_relevance
-from .tail_planes import PlanarTail
+from .tail_planes import PlanarTail, plane_map
 
 
 @dataclass
@@ -36,20 +36,40 @@ class LatentStep:
     window_logits: torch.Tensor | None = None  # relevance scoring: [H, rows_w, N + e'] (stored, exact)
     window: int = 0
     stored: int = 0
+    # chunked pre-RoPE scoring: the int8-band query of each chunk [C, H, rows, lead] and the chunks'
+    # stored-token bounds (C + 1)
+    chunks: tuple[torch.Tensor, list[int]] | None = None
 
 
 class LatentSelection:
     """Scoring, selection and the selected tokens' logits of a `LowRankLayer` (a mixin of it)."""
 
-    def _latent_query(self, qf: torch.Tensor, q_len: int) -> torch.Tensor:
-        """Query coefficients [H, rows, r_k] (un-rotated first for a pre-RoPE key space)."""
-        if self.cfg.key_space == "pre_rope":
-            positions = torch.arange(self.logical - q_len, self.logical)
-            cos, sin = self._rope(positions)
-            n_rep = qf.shape[1] // q_len
-            q = qf.view(self.heads, n_rep, q_len, -1)
-            qf = undo_rope(q, cos, sin).reshape(qf.shape)
-        return project_queries(qf, self.basis_k)
+    def _latent_query(self, qf: torch.Tensor, q_len: int) -> tuple[torch.Tensor, list[int]]:
+        """Query coefficients [C, H, rows, r_k] and the C stored-token ranges they score (bounds, C + 1
+        entries): C = 1, all tokens, except for pre-RoPE keys scored by `rope_scoring="expected"` with
+        chunks. Pre-RoPE queries are un-rotated first."""
+        n = self._n
+        if self.cfg.key_space != "pre_rope":
+            return project_queries(qf, self.basis_k)[None], [0, n]
+        end = self.logical if self.query_end is None else self.query_end
+        positions = torch.arange(end - q_len, end, device=qf.device)  # a host tensor would sync a GPU
+        cos, sin = self._rope(positions)
+        n_rep = qf.shape[1] // q_len
+        q = undo_rope(qf.view(self.heads, n_rep, q_len, -1), cos, sin).float()
+        rotations = None
+        if self.cfg.rope_scoring == "expected" and n:
+            # stored token j sits at sinks + j: its distance from the last query is last - j
+            rotations = chunk_rotations(self.rope, n, self.cfg.rope_chunk or n, end - 1 - self.sinks)
+        q = q.reshape(qf.shape)
+        if rotations is None:
+            return project_queries(q, self.basis_k)[None], [0, n]
+        bounds, cos, sin = rotations
+        chunks = cos.shape[0]
+        # every chunk's rotation of every row at once: [H, C * rows, d], then one product per KV head
+        q = q.unsqueeze(1) * cos[:, None] + rotate_half(q).unsqueeze(1) * sin[:, None]
+        blocks = head_blocks(self.basis_k, self.heads).float()
+        coef = torch.matmul(q.reshape(self.heads, -1, q.shape[-1]), blocks)
+        return coef.view(self.heads, chunks, -1, coef.shape[-1]).transpose(0, 1), bounds
 
     def latent_step(self, qf: torch.Tensor, exact_logits: torch.Tensor, q_len: int,
                     scaling: float) -> LatentStep:
@@ -58,9 +78,13 @@ class LatentSelection:
         n = self._n
         scale_k = None if self._sk is None else self._sk[:, :n]
         coef_t = self._ck[..., :n]
-        q_full = self._latent_query(qf, q_len)
-        q_lat = q_full if self._tk is None else q_full[..., : self.plan_k.lead].contiguous()  # the int8 band
+        chunks, bounds = self._latent_query(qf, q_len)
+        q_full = chunks[-1]  # the chunk nearest the query (the only one but for chunked pre-RoPE scoring)
+        lead = self.plan_k.lead
+        q_lat = q_full if self._tk is None else q_full[..., :lead].contiguous()  # the int8 band
         step = LatentStep(qf, q_len, scaling, q_full, q_lat, coef_t, scale_k)
+        if len(bounds) > 2:
+            step.chunks = (chunks if self._tk is None else chunks[..., :lead], bounds)
         if self.cfg.scoring == "summed":
             step.scores = self._summed_scores(q_lat, q_len, coef_t, scale_k, scaling)
             if q_len <= self.cfg.query_window and self.cfg.key_space == "post_rope":
@@ -116,21 +140,36 @@ class LatentSelection:
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
         """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
-        kb = head_blocks(self.basis_k, self.heads).float()
-        keys = torch.matmul(self._rows(idx, keys=True), kb.transpose(1, 2))  # [H or 1, k, d]
-        cos, sin = self.rope(idx.reshape(-1) + self.sinks)
-        keys = apply_rope(keys, cos.float().view(*idx.shape, -1), sin.float().view(*idx.shape, -1))
-        return torch.matmul(qf, keys.transpose(1, 2)).mul_(scaling)
+        keys = self._rebuilt_keys(idx)  # [H, d, k]
+        cos, sin = half_angles(self.rope, idx.reshape(-1) + self.sinks)  # [d/2, B*k]
+        batch, k = idx.shape
+        if batch > 1:  # one token set per head: each head's own positions
+            cos = cos.view(-1, batch, k).transpose(0, 1)
+            sin = sin.view(-1, batch, k).transpose(0, 1)
+        return torch.matmul(qf, rotate_dim_major(keys, cos, sin)).mul_(scaling)
 
-    def _rows(self, idx: torch.Tensor, keys: bool) -> torch.Tensor:
-        """fp32 coefficient rows [H or 1, k, r] of the stored tokens `idx` [H or 1, k], every band."""
-        n = self._n
-        coef, scale = (self.coef_k, self._sk) if keys else (self.coef_v, self._sv)
-        rows, sc = gather_value_rows(coef, None if scale is None else scale[:, :n], idx)
-        rows = rows.float() if sc is None else rows.float() * sc.float().unsqueeze(-1)
-        if (self._tk if keys else self._tv) is None:
-            return rows
-        return torch.cat([rows, self.planar_tail(idx, keys).rows()], dim=-1)
+    def _rebuilt_keys(self, idx: torch.Tensor) -> torch.Tensor:
+        """The stored keys `idx` [H or 1, k] rebuilt dimension-major, fp32 [H, d, k]. The int8 band is
+        gathered by column from its stored [G, r, N] layout and the lower bands stay planes; each goes
+        through its own slice of the basis (the plane map folded into it), so no decoded coefficient rows
+        are formed."""
+        n, lead = self._n, self.plan_k.lead
+        batch, k = idx.shape
+        if self._ck.shape[0] == 1:
+            flat = idx.reshape(-1)
+            cols = self._ck[0, :, :n].index_select(1, flat).view(-1, batch, k).transpose(0, 1)
+            scale = None if self._sk is None else self._sk[0, :n].index_select(0, flat).view(batch, 1, k)
+        else:
+            cols = torch.gather(self._ck[..., :n], 2, idx.unsqueeze(1).expand(-1, self._ck.shape[1], -1))
+            scale = None if self._sk is None else torch.gather(self._sk[:, :n], 1, idx).unsqueeze(1)
+        cols = cols.float() if scale is None else cols.float().mul_(scale.float())
+        blocks = head_blocks(self.basis_k, self.heads).float()  # [H, d, r]
+        keys = torch.matmul(blocks[..., :lead], cols)
+        if self._tk is not None:
+            tail = self.planar_tail(idx, keys=True)
+            folded = torch.matmul(blocks[..., lead:], plane_map(self.plan_k, str(keys.device)).T)
+            keys += torch.matmul(folded, tail.planes)
+        return keys
 
     def planar_tail(self, idx: torch.Tensor, keys: bool) -> PlanarTail:
         """The lower bands of the stored tokens `idx` [H or 1, k] as planes (`s4r.tail_planes`)."""
@@ -157,14 +196,24 @@ class LatentSelection:
         q_len, q_lat = step.q_len, step.q_lat
         window = min(q_len, self.cfg.query_window)
         n_rep = q_lat.shape[1] // q_len
-        scored = q_lat if window == q_len else (
-            q_lat.view(self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1))
-        ex = exact_logits if window == q_len else exact_logits.view(
-            self.heads, n_rep, q_len, -1)[:, :, -window:].reshape(self.heads, n_rep * window, -1)
+
+        def last_rows(x: torch.Tensor) -> torch.Tensor:  # [H, n_rep * q_len, x] -> the window's rows
+            if window == q_len:
+                return x
+            rows = x.view(self.heads, n_rep, q_len, -1)[:, :, -window:]
+            return rows.reshape(self.heads, n_rep * window, -1)
+
+        scored, ex = last_rows(q_lat), last_rows(exact_logits)
         s, o = self.sinks, self._n_out
         # one buffer [stored | sinks | buffer tokens]: the softmax's input, with no concatenation
         buf = ex.new_empty(self.heads, scored.shape[1], n + ex.shape[-1] - o)
-        logits = latent_logits(scored, step.coef_t, step.scale_k, step.scaling, out=buf[..., :n])
+        if step.chunks is None:
+            logits = latent_logits(scored, step.coef_t, step.scale_k, step.scaling, out=buf[..., :n])
+        else:
+            queries, bounds = step.chunks
+            rows = torch.stack([last_rows(q) for q in queries]) if window != q_len else queries
+            logits = chunked_latent_logits(rows, bounds, step.coef_t, step.scale_k, step.scaling,
+                                           buf[..., :n])
         buf[..., n : n + s] = ex[..., :s]
         buf[..., n + s :] = ex[..., s + o :]
         if o:

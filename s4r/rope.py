@@ -40,4 +40,95 @@ def model_rope_fn(model) -> RopeFn | None:
         cos, sin = rotary(dummy, positions.to(param.device).view(1, -1))
         return cos[0], sin[0]
 
+    # RoPE types whose frequencies depend on the sequence seen so far change them inside forward
+    if getattr(rotary, "rope_type", None) not in ("dynamic", "longrope") and hasattr(rotary, "inv_freq"):
+        rope.rotary = rotary  # type: ignore[attr-defined]  (read by `half_angles`)
     return rope
+
+
+def shifted(rope: RopeFn | None, offset: int) -> RopeFn | None:
+    """`rope` for positions counted from `offset` (an appended document's segment: its token 0 sits at
+    `offset`), so code that numbers a layer's tokens from 0 rotates them to where they are."""
+    if rope is None or offset == 0:
+        return rope
+    base = getattr(rope, "base", rope)
+    total = getattr(rope, "offset", 0) + offset
+
+    def moved(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return base(positions + total)
+
+    moved.base, moved.offset = base, total  # type: ignore[attr-defined]
+    if hasattr(base, "rotary"):
+        moved.rotary = base.rotary  # type: ignore[attr-defined]
+    return moved
+
+
+def half_angles(rope: RopeFn, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (cos, sin) [d/2, n] of `positions`, dimension-major: RoPE rotates the pair (i, i + d/2) by
+    one angle, so half of `rope`'s [n, d] tables is all a rotation needs. Computed from the model's
+    static frequencies where `model_rope_fn` found them (a quarter of the work of the full tables, no
+    round trip through the model's dtype), else taken from `rope`."""
+    rotary = getattr(rope, "rotary", None)
+    if rotary is not None:
+        inv = rotary.inv_freq.float()
+        positions = positions + getattr(rope, "offset", 0)
+        angles = inv[:, None] * positions.to(inv.device, torch.float32)[None, :]
+        scale = float(rotary.attention_scaling)
+        return angles.cos().mul_(scale), angles.sin().mul_(scale)
+    cos, sin = rope(positions)
+    half = cos.shape[-1] // 2
+    return cos[:, :half].float().T.contiguous(), sin[:, :half].float().T.contiguous()
+
+
+def mean_rotation(rope: RopeFn, first: torch.Tensor,
+                  last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, sin) [C, d] of the mean of RoPE's rotation over the integer distances first[c]..last[c] (C
+    ranges), as `apply_rope` takes them: rotating a query by one gives, dotted with an un-rotated key,
+    that key's expected logit over the range. None without the model's static frequencies (see
+    `half_angles`)."""
+    rotary = getattr(rope, "rotary", None)
+    if rotary is None:
+        return None
+    device = rotary.inv_freq.device
+    theta = rotary.inv_freq.double()[None, :]  # [1, d/2]
+    start = first.to(device, torch.float64)[:, None]
+    count = (last.to(device, torch.float64) - start[:, 0] + 1).clamp_min(1)[:, None]
+    # sum of e^{i theta k}, k = first..last, as a geometric series (the theta -> 0 limit is count)
+    one = torch.ones_like(theta)
+    total = torch.polar(one * torch.ones_like(start), theta * start) * (1 - torch.polar(
+        one * torch.ones_like(count), theta * count)) / (1 - torch.polar(one, theta))
+    total = torch.where(theta * count < 1e-9, count.to(total.dtype).expand_as(total), total)
+    mean = total / count
+    return torch.cat([mean.real, mean.real], -1).float(), torch.cat([mean.imag, mean.imag], -1).float()
+
+
+def chunk_rotations(rope: RopeFn, stored: int, chunk: int,
+                    last: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+    """Chunked expected-logit scoring of `stored` un-rotated keys, the last of them `last` positions
+    before the query (token j at distance last - j): (chunk bounds, cos [C, d], sin [C, d]), each chunk's
+    `mean_rotation`. The same for every layer of a step, so the last answer is kept on `rope`."""
+    key = (stored, chunk, last)
+    memo = getattr(rope, "chunk_memo", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    bounds = [*range(0, stored, chunk), stored]
+    rotary = getattr(rope, "rotary", None)
+    result = None
+    if rotary is not None:
+        # on the rotary's device: a tensor copied from the host would wait for a GPU's queue every step
+        starts = torch.arange(0, stored, chunk, device=rotary.inv_freq.device)
+        ends = (starts + chunk).clamp_max(stored)
+        mean = mean_rotation(rope, last - (ends - 1), last - starts)
+        result = None if mean is None else (bounds, *mean)
+    rope.chunk_memo = (key, result)  # type: ignore[attr-defined]
+    return result
+
+
+def rotate_dim_major(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` for dimension-major vectors x [..., d, n] with `half_angles` tables [d/2, n]."""
+    half = x.shape[-2] // 2
+    x1, x2 = x[..., :half, :], x[..., half:, :]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half, :]).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=out[..., half:, :]).addcmul_(x1, sin)
+    return out

@@ -11,8 +11,9 @@ fold into the current bases.
 
 Decode attends over every segment with one exact softmax: each segment scores and selects its own
 tokens, returns its output and logsumexp, and `merge_partial_attention` weighs them by their mass.
-Only the last segment takes new tokens. Positions are implicit and segments are consecutive, so only
-post-RoPE key spaces (the default) can be segmented; pre-RoPE layers keep folding.
+Only the last segment takes new tokens. Segments are consecutive: a pre-RoPE segment numbers its tokens
+from its own start and rotates them through its `rope` shifted there (`s4r.rope.shifted`), and is told
+where the queries are (`query_end`), since its own length is not.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .errors import BudgetError
 from .latent import merge_partial_attention
 from .layers import CacheLayer
 from .lowrank import LowRankLayer
+from .rope import shifted
 from .selection import select_tokens
 
 
@@ -78,8 +80,16 @@ class SegmentedLayer(CacheLayer):
         handoff(self, keys)  # the attention must ask every segment, not only the last one
         return keys, values
 
+    def _tell_query_end(self) -> None:
+        """Each segment's `query_end`: the step's end, counted from the segment's own start."""
+        start = 0
+        for segment in self.segments:
+            segment.query_end = self.logical - start
+            start += segment.logical
+
     def attend(self, query, key, value, scaling):
         q_heads, q_len = query.shape[1], query.shape[2]
+        self._tell_query_end()
         if self._global_selection():
             parts = self._attend_globally(query, scaling)
         else:
@@ -144,22 +154,23 @@ class SegmentedLayer(CacheLayer):
 
     @classmethod
     def from_state(cls, state, meta, *, rope=None) -> SegmentedLayer:
-        segments = []
+        segments, start = [], 0
         for i, seg_meta in enumerate(meta["segments"]):
             prefix = f"{i}."
             own = {key[len(prefix):]: t for key, t in state.items() if key.startswith(prefix)}
-            segments.append(LowRankLayer.from_state(own, seg_meta, rope=rope))
+            segments.append(LowRankLayer.from_state(own, seg_meta, rope=shifted(rope, start)))
+            start += segments[-1].logical
         return cls(segments)
 
 
 def new_segment(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, shape: KVShape,
-                rope) -> LowRankLayer:
-    """An appended text's keys/values [H, n, d] (post-RoPE) compressed into a segment of its own: no
-    sinks, bases fitted on it, ranks the budget allows for n tokens. Raises BudgetError when the ratio
-    cannot pay for its bases at this length."""
+                rope, start: int = 0) -> LowRankLayer:
+    """An appended text's keys/values [H, n, d] (post-RoPE, the first at position `start`) compressed
+    into a segment of its own: no sinks, bases fitted on it, ranks the budget allows for n tokens. Raises
+    BudgetError when the ratio cannot pay for its bases at this length."""
     seg_cfg = replace(cfg, sinks=0)
     plan = solve_ranks(shape, seg_cfg, keys.shape[1])
-    return compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, rope)
+    return compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, shifted(rope, start))
 
 
 def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
@@ -174,9 +185,11 @@ def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
     layer.collecting = False
     last = layer.last if isinstance(layer, SegmentedLayer) else layer
     cfg = last.cfg
-    if cfg.segment_tokens and last.buffered >= cfg.segment_tokens and cfg.key_space == "post_rope":
+    if cfg.segment_tokens and last.buffered >= cfg.segment_tokens:
+        start = layer.logical - last.buffered  # where the appended text begins
+        base = getattr(last.rope, "base", last.rope)  # the model's own, not the last segment's shift
         try:
-            segment = new_segment(last.buf_k, last.buf_v, cfg, shape, last.rope)
+            segment = new_segment(last.buf_k, last.buf_v, cfg, shape, base, start)
         except BudgetError:
             segment = None
         if segment is not None:

@@ -109,7 +109,3 @@ class PlanarTail:
         """sum_t probs[..., t] * (decoded lower bands of token t): [H, M, w] from probs [H, M, k]."""
         a = plane_map(self.plan, str(probs.device))
         return torch.matmul(_batched(probs, self.planes.transpose(1, 2)), a)
-
-    def rows(self) -> torch.Tensor:
-        """The decoded lower bands themselves, fp32 [B, k, w] (what a rebuilt vector needs)."""
-        return torch.matmul(self.planes.transpose(1, 2), plane_map(self.plan, str(self.planes.device)))

@@ -17,8 +17,11 @@ from tests.helpers import tiny_model
 
 
 def all_tensor_bytes(layer) -> int:
-    """Independent count: every tensor attribute the layer holds, spare capacity included."""
-    return sum(v.numel() * v.element_size() for v in vars(layer).values() if isinstance(v, torch.Tensor))
+    """Independent count: the memory behind every tensor attribute the layer holds, spare capacity
+    included, each storage once (an expanded or sliced view costs no memory of its own)."""
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                for v in vars(layer).values() if isinstance(v, torch.Tensor)}
+    return sum(storages.values())
 
 
 def assert_counts_everything(cache) -> None:

@@ -20,7 +20,8 @@ def test_a_rare_token_in_an_appended_document_stays_exact():
     heads, dim, rank = 2, 16, 6
     basis, _ = torch.linalg.qr(torch.randn(heads * dim, rank, generator=gen))
     keys, values = (_in_subspace(basis, heads, 400, dim, gen) for _ in range(2))
-    cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, outlier_fraction=0.05, coef_dtype="model",
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=rank, rank_v=rank, outlier_fraction=0.05, coef_dtype="model",
                     buffer_tokens=64, fold_tokens=32)
     layer = compress_layer(keys, values, None, cfg, rank, rank, None)
     stored_before = layer.stored_coefs

@@ -67,7 +67,8 @@ def test_banded_layer_attends_close_to_exact_at_full_rank():
         torch.cat([values, new_v[0]], 1).unsqueeze(0).repeat_interleave(2, 1))
 
     def error(rank: int, bands: str | None) -> float:
-        cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, coef_bands=bands, outlier_fraction=0.0,
+        cfg = S4RConfig(key_space="post_rope",
+                        ratio=None, rank_k=rank, rank_v=rank, coef_bands=bands, outlier_fraction=0.0,
                         recon_fraction=1.0, local_window=0)
         layer = compress_layer(keys, values, None, cfg, rank, rank, None)
         k, v = layer.update(new_k, new_v)

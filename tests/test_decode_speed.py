@@ -8,6 +8,7 @@ import torch
 
 from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, staged_cache, tiled
 from s4r.generation import forward_tokens
+from s4r.rope import model_rope_fn
 from tests.helpers import CharTokenizer, tiny_model
 
 
@@ -69,6 +70,7 @@ def test_layer_speed_times_every_kernel_on_one_layer():
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(3, 900, 16, generator=g), torch.randn(3, 900, 16, generator=g)
     queries = torch.randn(9, 32, 16, generator=g)
-    times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2)
+    rope = model_rope_fn(tiny_model("llama"))  # head_dim 16: pre-RoPE keys need the rotary
+    times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2, rope=rope)
     assert sorted(times) == ["full", "s4r 2.5", "s4r 5", "transformers"]
     assert all(ms > 0 for ms in times.values())

@@ -140,8 +140,8 @@ def test_benchmark_forks_still_refuse_an_unreachable_ratio(loaded: SimpleNamespa
 
 def test_max_ratio_of_each_kind_of_method() -> None:
     s4r = method_max_ratio(make_method("s4r", 5), SMOLLM2, 8192)
-    # per token at least the 1-column int8 band and its scale (K and V) plus 3% exact outliers: ~36 of 768 B
-    assert 18 < s4r < 25
+    # per token at least the 1-column int8 band and its scale (K and V) plus 1% exact outliers: ~20 of 768 B
+    assert 30 < s4r < 45
     paper = method_max_ratio(make_method("s4r-paper", 5), SMOLLM2, 8192)
     assert paper > 50
     assert method_max_ratio(make_method("streaming", 5), SMOLLM2, 8192) == pytest.approx(8192 / 65)

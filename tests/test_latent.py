@@ -100,7 +100,8 @@ def step(layer, keys, values, query, new_k, new_v):
 @pytest.mark.parametrize("shared", [True, False])
 def test_latent_attention_equals_full_attention_at_full_rank(scoring, granularity, shared):
     width = DIM * HEADS if granularity == "layer" else DIM
-    cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="model", sample_tokens=None,
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=width, rank_v=width, coef_dtype="model", sample_tokens=None,
                     recon_fraction=1.0, granularity=granularity, scoring=scoring, outlier_fraction=0.05,
                     shared_selection=shared)
     layer, keys, values = layer_and_dense(cfg)
@@ -120,7 +121,8 @@ def test_latent_attention_equals_reconstructing_attention(granularity, shared, c
     (plus sinks, outliers and buffer, exact) gives; with coefficient bands the rebuilt rows include the
     lower bands, decoded here with `decode_tails`."""
     width = DIM * HEADS if granularity == "layer" else DIM
-    cfg = S4RConfig(ratio=None, rank_k=width // 2, rank_v=width // 2, coef_dtype=coef_dtype, coef_bands=bands,
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=width // 2, rank_v=width // 2, coef_dtype=coef_dtype, coef_bands=bands,
                     sample_tokens=None, recon_fraction=0.3, granularity=granularity, outlier_fraction=0.05,
                     shared_selection=shared)
     layer, _, _ = layer_and_dense(cfg, seed=3)
@@ -161,7 +163,8 @@ def test_a_token_planted_to_win_the_attention_is_selected(scoring, shared, bands
     matches the query is among the reconstructed ones, and dominates the output as it should (with
     coefficient bands the scoring sees only the int8 band)."""
     width = DIM * HEADS
-    cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="int8", sample_tokens=None,
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=width, rank_v=width, coef_dtype="int8", sample_tokens=None,
                     recon_fraction=0.05, outlier_fraction=0.0, scoring=scoring, local_window=4,
                     shared_selection=shared, coef_bands=bands)
     g = gen(9)
@@ -195,7 +198,8 @@ def test_a_chunk_of_queries_attends_causally_and_exactly_at_full_rank(scoring, q
     """Several new tokens at once (a question): each sees the stored tokens and the chunk up to itself;
     a chunk longer than the query window takes the gathered-logits path."""
     width = DIM * HEADS
-    cfg = S4RConfig(ratio=None, rank_k=width, rank_v=width, coef_dtype="model", sample_tokens=None,
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=width, rank_v=width, coef_dtype="model", sample_tokens=None,
                     recon_fraction=1.0, scoring=scoring, query_window=8, buffer_tokens=8, fold_tokens=4)
     layer, keys, values = layer_and_dense(cfg, seed=4)
     g = gen(7)

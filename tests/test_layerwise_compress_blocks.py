@@ -95,7 +95,8 @@ def test_blocked_compression_stores_what_the_whole_layer_did(overrides):
 
 
 def test_attention_scored_outliers_are_unchanged_by_blocks():
-    cfg = S4RConfig(ratio=2.0, sample_tokens=96, local_window=8, outlier_score="attention")
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=2.0, sample_tokens=96, local_window=8, outlier_score="attention")
     keys, values, queries = layer_inputs(500, seed=1)
     one = compress_layer(keys, values, queries, cfg, 12, 10, None, block_tokens=10_000)
     assert_same_state(compress_layer(keys, values, queries, cfg, 12, 10, None, block_tokens=50), one)

@@ -255,7 +255,8 @@ def test_offline_reuses_its_bases_across_prompts(monkeypatch):
     second = staged(model, random_ids(600, 8))
     width = first.shape.kv_heads * first.shape.head_dim
     # the first prompt's own bases, fitted as s4r would (before fitting is forbidden below)
-    own = [fit_layer_bases(layer.keys_view[0], layer.values_view[0], method.config, None, width, width)
+    rope = model_rope_fn(model)
+    own = [fit_layer_bases(layer.keys_view[0], layer.values_view[0], method.config, rope, width, width)
            for layer in first.layers]
 
     def no_refit(*args, **kwargs):

@@ -12,6 +12,7 @@ from s4r.compress import compress_layer
 from s4r.config import S4RConfig
 from s4r.latent import merge_partial_attention
 from s4r.lowrank import LowRankLayer
+from s4r.rope import apply_rope, model_rope_fn
 from s4r.segments import SegmentedLayer, settle_appended
 from s4r.session import Session
 from tests.helpers import CharTokenizer, tiny_model
@@ -58,7 +59,8 @@ def _layer_with_append(cfg: S4RConfig, doc2_basis: torch.Tensor, gen: torch.Gene
     return layer, torch.cat([k1, k2], dim=1), torch.cat([v1, v2], dim=1)
 
 
-EXACT_CFG = S4RConfig(ratio=None, rank_k=8, rank_v=8, coef_dtype="model", coef_bands=None,
+EXACT_CFG = S4RConfig(key_space="post_rope",
+                      ratio=None, rank_k=8, rank_v=8, coef_dtype="model", coef_bands=None,
                       outlier_fraction=0.0, recon_fraction=1.0, segment_tokens=256)
 
 
@@ -77,6 +79,34 @@ def test_a_long_append_gets_its_own_bases_and_attention_stays_exact():
     # each document lies in a rank-6 subspace and every token is rebuilt: exact up to rounding
     expected = _exact_attention(query, torch.cat([keys, new_k[0]], 1), torch.cat([values, new_v[0]], 1))
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_pre_rope_append_is_rotated_from_where_it_starts():
+    """Pre-RoPE keys: the second document's segment numbers its tokens from 0 but rotates them to their
+    real positions (600..999), as do the rebuilt keys, the queries and a save/load round trip."""
+    gen = torch.Generator().manual_seed(3)
+    rope = model_rope_fn(tiny_model("llama"))
+    cos, sin = rope(torch.arange(1001))
+    basis1, basis2 = (torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))[0] for _ in range(2))
+    k1, k2 = _in_subspace(basis1, 600, gen), _in_subspace(basis2, 400, gen)  # low-rank before RoPE
+    k1, k2 = apply_rope(k1, cos[:600], sin[:600]), apply_rope(k2, cos[600:1000], sin[600:1000])
+    v1, v2 = _in_subspace(basis1, 600, gen), _in_subspace(basis2, 400, gen)
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "key_space": "pre_rope"})
+    layer = compress_layer(k1, v1, None, cfg, 8, 8, rope)
+    layer.collecting = True
+    layer.update(k2.unsqueeze(0), v2.unsqueeze(0))
+    settled = settle_appended(layer, SHAPE)
+    assert isinstance(settled, SegmentedLayer) and len(settled.segments) == 2
+    new_k = apply_rope(torch.randn(HEADS, 1, DIM, generator=gen), cos[1000:], sin[1000:]).unsqueeze(0)
+    new_v = torch.randn(1, HEADS, 1, DIM, generator=gen)
+    query = apply_rope(torch.randn(1, Q_HEADS, 1, DIM, generator=gen), cos[1000:], sin[1000:])
+    settled.update(new_k, new_v)
+    expected = _exact_attention(query, torch.cat([k1, k2, new_k[0]], 1), torch.cat([v1, v2, new_v[0]], 1))
+    torch.testing.assert_close(settled.attend(query, None, None, DIM**-0.5), expected, atol=1e-4, rtol=1e-4)
+    # the queries sit at 1000, counted from each segment's start (what scoring un-rotates them by)
+    assert [s.query_end for s in settled.segments] == [1001, 401]
+    loaded = SegmentedLayer.from_state(settled.state(), settled.meta_state(), rope=rope)
+    torch.testing.assert_close(loaded.attend(query, None, None, DIM**-0.5), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_folding_into_the_first_bases_loses_what_they_do_not_span():
@@ -183,7 +213,8 @@ def test_the_rebuild_budget_goes_where_the_query_looks_across_segments():
 
 def test_a_segment_may_rebuild_nothing():
     """Banded storage (the default) when the whole budget goes to the other segment."""
-    cfg = S4RConfig(ratio=None, rank_k=8, rank_v=8, recon_fraction=0.1, outlier_fraction=0.0,
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=8, rank_v=8, recon_fraction=0.1, outlier_fraction=0.0,
                     segment_tokens=256)
     settled, query = _planted_pair(cfg, False, torch.Generator().manual_seed(4))
     out = settled.attend(query, None, None, DIM**-0.5)

@@ -62,7 +62,8 @@ def planted_layer(positions: dict[int, int], *, shared: bool) -> tuple:
     for head, pos in positions.items():
         keys[head, pos] = 8 * directions[head]
     query = (8 * directions).repeat_interleave(N_REP, dim=0).view(1, HEADS * N_REP, 1, DIM)
-    cfg = S4RConfig(ratio=None, rank_k=DIM, rank_v=DIM, granularity="head", coef_dtype="model",
+    cfg = S4RConfig(key_space="post_rope",
+                    ratio=None, rank_k=DIM, rank_v=DIM, granularity="head", coef_dtype="model",
                     outlier_fraction=0.0, recon_fraction=0.02, local_window=0, pool_kernel=1,
                     sample_tokens=None, shared_selection=shared)
     layer = compress_layer(keys, values, None, cfg, DIM, DIM, None)
@@ -120,7 +121,8 @@ def test_hybrid_sample_indices():
 
 def test_the_sample_never_holds_the_sinks():
     keys = torch.arange(2 * 20 * 4, dtype=torch.float32).view(2, 20, 4)
-    k_groups, v_groups = compressible_parts(keys, keys, S4RConfig(sinks=4, granularity="head"), None)
+    k_groups, v_groups = compressible_parts(keys, keys, S4RConfig(key_space="post_rope",
+                                                                  sinks=4, granularity="head"), None)
     assert k_groups.shape == (2, 16, 4) and torch.equal(k_groups, keys[:, 4:])
 
 

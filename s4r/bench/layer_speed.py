@@ -23,6 +23,7 @@ from s4r.attention import causal_attention
 from s4r.budget import KVShape, solve_ranks
 from s4r.compress import compress_layer
 from s4r.config import S4RConfig
+from s4r.rope import RopeFn, model_rope_fn
 
 from .config import parse_lengths
 from .decode_speed import book_ids, staged_cache
@@ -47,7 +48,8 @@ def plain_sdpa(query, key, value, scaling):
     return F.scaled_dot_product_attention(query, key, value, scale=scaling)
 
 
-def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int) -> dict[str, float]:
+def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int,
+                rope: RopeFn | None = None) -> dict[str, float]:
     """Milliseconds per token of each kernel on one layer's [H, T, d] keys/values and [Hq, W, d] queries."""
     scaling = keys.shape[-1] ** -0.5
     query = queries[:, -1:].unsqueeze(0)
@@ -58,7 +60,7 @@ def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int) -> 
     for ratio in ratios:
         cfg = S4RConfig(ratio=ratio)
         plan = solve_ranks(shape, cfg, keys.shape[1])
-        layer = compress_layer(keys, values, queries, cfg, plan.rank_k, plan.rank_v, None)
+        layer = compress_layer(keys, values, queries, cfg, plan.rank_k, plan.rank_v, rope)
 
         def step(layer=layer):
             layer.update(new, new)
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 reps = n // layer.logical + 1
                 keys = layer.keys_view[0].repeat(1, reps, 1)[:, :n]
                 values = layer.values_view[0].repeat(1, reps, 1)[:, :n]
-                times = layer_times(keys, values, layer.queries[0], shape, ratios, args.repeats)
+                times = layer_times(keys, values, layer.queries[0], shape, ratios, args.repeats,
+                                    model_rope_fn(model))
                 for name, ms in times.items():
                     sums[name] += ms / len(layer_ids)
             cells = [f"{sums[x]:.2f}" for x in names] + [f"{sums['full'] / sums[x]:.2f}x" for x in names[2:]]

@@ -124,6 +124,31 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "outliers=0.12": {"outlier_fraction": 0.12},
     "outliers=0.15": {"outlier_fraction": 0.15},
     "outliers=0.10+ks0.65": {"outlier_fraction": 0.10, "key_share": 0.65},
+    # round 6: the key space (docs/notes-round6.md)
+    "post-rope": {"key_space": "post_rope", "outlier_fraction": 0.03},  # the round-3 to round-5 default
+    "pre-rope": {"key_space": "pre_rope", "outlier_fraction": 0.03},
+    "pre-rope+out0": {"key_space": "pre_rope", "outlier_fraction": 0.0},
+    "pre-rope+out0.01": {"key_space": "pre_rope", "outlier_fraction": 0.01},
+    "pre-rope+out0.01+recon0.1": {"key_space": "pre_rope", "outlier_fraction": 0.01, "recon_fraction": 0.1},
+    "pre-rope+out0.01+recon0.15": {"key_space": "pre_rope", "outlier_fraction": 0.01, "recon_fraction": 0.15},
+    "pre-rope+out0.01+recon0.2": {"key_space": "pre_rope", "outlier_fraction": 0.01, "recon_fraction": 0.2},
+    "pre-rope+out0.01+recon0.3": {"key_space": "pre_rope", "outlier_fraction": 0.01, "recon_fraction": 0.3},
+    "pre-rope+expected": {"key_space": "pre_rope", "outlier_fraction": 0.03, "rope_scoring": "expected"},
+    "pre-rope+out0.01+expected": {"key_space": "pre_rope", "outlier_fraction": 0.01,
+                                  "rope_scoring": "expected"},
+    "pre-rope+out0.01+expected512": {"key_space": "pre_rope", "outlier_fraction": 0.01,
+                                     "rope_scoring": "expected", "rope_chunk": 512},
+    "pre-rope+out0.01+expected1024": {"key_space": "pre_rope", "outlier_fraction": 0.01,
+                                      "rope_scoring": "expected", "rope_chunk": 1024},
+    "pre-rope+out0.01+expected256": {"key_space": "pre_rope", "outlier_fraction": 0.01,
+                                     "rope_scoring": "expected", "rope_chunk": 256},
+    "pre-rope+out0.01+expected512+recon0.2": {"key_space": "pre_rope", "outlier_fraction": 0.01,
+                                              "rope_scoring": "expected", "rope_chunk": 512,
+                                              "recon_fraction": 0.2},
+    "pre-rope+out0.01+expected128": {"key_space": "pre_rope", "outlier_fraction": 0.01,
+                                     "rope_scoring": "expected", "rope_chunk": 128},
+    "pre-rope+recon1": {"key_space": "pre_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0},
+    "post-rope+recon1": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0},
 }
 
 

@@ -15,7 +15,7 @@ from .full import FullMethod
 from .kvzip import KVzipMethod
 from .offline import OfflineMethod
 from .quant import QuantMethod
-from .s4r import S4RMethod, S4RPaperMethod
+from .s4r import S4RFastMethod, S4RMethod, S4RPaperMethod
 from .snapkv import SnapKVMethod
 from .streaming import StreamingMethod
 from .svd import SVDMethod
@@ -24,6 +24,7 @@ Builder = Callable[[float, "dict[str, Any] | None"], Method]
 
 REGISTRY: dict[str, Builder] = {
     "s4r": S4RMethod.build,
+    "s4r-fast": S4RFastMethod.build,
     "s4r-paper": S4RPaperMethod.build,
     "full": FullMethod.build,
     "streaming": StreamingMethod.build,
@@ -55,5 +56,5 @@ def make_method(name: str, ratio: float, overrides: dict[str, Any] | None = None
 
 
 __all__ = ["METHODS", "REGISTRY", "CompressContext", "FullMethod", "KVzipMethod", "Method", "OfflineMethod",
-           "QuantMethod", "S4RMethod", "S4RPaperMethod", "SVDMethod", "SnapKVMethod", "StreamingMethod",
-           "known_settings", "make_method"]
+           "QuantMethod", "S4RFastMethod", "S4RMethod", "S4RPaperMethod", "SVDMethod", "SnapKVMethod",
+           "StreamingMethod", "known_settings", "make_method"]

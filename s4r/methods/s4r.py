@@ -1,4 +1,4 @@
-"""`s4r`: selective sampling, subspaces and sparse reconstruction (also `s4r-paper` and `svd`)."""
+"""`s4r`: selective sampling, subspaces and sparse reconstruction (also `s4r-fast`, `s4r-paper`, `svd`)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,14 @@ class S4RPaperMethod(S4RMethod):
     @classmethod
     def defaults(cls, ratio: float) -> S4RConfig:
         return S4RConfig.paper(ratio)
+
+
+@dataclass
+class S4RFastMethod(S4RMethod):
+    """S4R with post-RoPE keys attended in latent space (`S4RConfig.fast`): a faster step, less faithful."""
+
+    name: str = "s4r-fast"
+
+    @classmethod
+    def defaults(cls, ratio: float) -> S4RConfig:
+        return S4RConfig.fast(ratio)

@@ -1,0 +1,158 @@
+"""Pre-RoPE keys at decode: the selected keys rebuilt dimension-major from the stored bands, rotated by the
+half-angle tables, against the plain reference (decoded rows times the basis, `apply_rope`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from s4r.coef_bands import decode_tails
+from s4r.compress import compress_layer
+from s4r.config import S4RConfig
+from s4r.latent import chunked_latent_logits, latent_logits
+from s4r.layers import head_blocks
+from s4r.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major
+from tests.helpers import tiny_model
+
+
+def decoded_key_rows(layer, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 key coefficients [B, k, r] of the stored tokens `idx` [B, k], decoded code by code (the int8
+    band times its scale, the lower bands by `decode_tails`): the reference the planes must match."""
+    n = layer._n
+
+    def pick(store: torch.Tensor) -> torch.Tensor:  # [G, N, x] -> [B, k, x]
+        if store.shape[0] == 1:
+            return store[0][idx]
+        return torch.gather(store, 1, idx.unsqueeze(-1).expand(-1, -1, store.shape[-1]))
+
+    rows = pick(layer._ck[..., :n].transpose(1, 2)).float()
+    if layer._sk is not None:
+        rows = rows * pick(layer._sk[:, :n, None]).float()
+    if layer._tk is None:
+        return rows
+    tails = decode_tails(pick(layer._tk[:, :n]), pick(layer._tsk[:, :n]), layer.plan_k)
+    return torch.cat([rows, tails], dim=-1)
+
+
+def rope_of(arch: str = "llama", **overrides):
+    return model_rope_fn(tiny_model(arch, **overrides))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+                                       {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 1024}}])
+def test_half_angles_are_the_models_own_tables(overrides):
+    rope = rope_of(**overrides)
+    positions = torch.tensor([0, 5, 17, 900, 3000])
+    cos, sin = rope(positions)
+    half = cos.shape[-1] // 2
+    fast = half_angles(rope, positions)
+    del rope.rotary  # the fallback: halves of the model's tables
+    slow = half_angles(rope, positions)
+    for got in (fast, slow):
+        torch.testing.assert_close(got[0], cos[:, :half].float().T, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[1], sin[:, :half].float().T, rtol=0, atol=1e-6)
+    # the two halves of the model's tables are one angle per pair, which the half tables rely on
+    assert torch.equal(cos[:, :half], cos[:, half:])
+
+
+def test_dimension_major_rotation_is_apply_rope():
+    rope = rope_of()
+    positions = torch.arange(40, 70)
+    x = torch.randn(3, positions.numel(), 16)
+    cos, sin = rope(positions)
+    expected = apply_rope(x, cos, sin)
+    got = rotate_dim_major(x.transpose(1, 2).contiguous(), *half_angles(rope, positions))
+    torch.testing.assert_close(got.transpose(1, 2), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@pytest.mark.parametrize("bands", [None, "8:2,4:3,2:3", "8:1,4:7"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_rebuilt_keys_and_logits_match_the_row_reference(granularity, bands, shared):
+    torch.manual_seed(0)
+    rope = rope_of()
+    heads, total, dim = 2, 260, 16
+    mix = torch.randn(heads * dim, heads * dim) * torch.linspace(3.0, 0.1, heads * dim)
+    keys = (torch.randn(total, heads * dim) @ mix.T).view(total, heads, dim).transpose(0, 1).contiguous()
+    cos, sin = rope(torch.arange(total))
+    keys = apply_rope(keys, cos, sin)  # what the model hands over: post-RoPE keys
+    values = torch.randn(heads, total, dim)
+    rank = 12 if granularity == "head" else 24
+    cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, key_space="pre_rope", granularity=granularity,
+                    coef_bands=bands, outlier_fraction=0.0, shared_selection=shared)
+    layer = compress_layer(keys, values, None, cfg, rank, rank, rope)
+    n = layer._n
+    idx = torch.randperm(n)[:50].sort().values[None]
+    if not shared:
+        idx = torch.stack([torch.randperm(n)[:50].sort().values for _ in range(heads)])
+    rows = decoded_key_rows(layer, idx)
+    expected = torch.matmul(rows, head_blocks(layer.basis_k, heads).float().transpose(1, 2))  # [H, k, d]
+    got = layer._rebuilt_keys(idx)
+    torch.testing.assert_close(got.transpose(1, 2), expected.expand_as(got.transpose(1, 2)), rtol=1e-4,
+                               atol=1e-4)
+    qf = torch.randn(heads, 3, dim)
+    c, s = rope(idx.reshape(-1) + layer.sinks)
+    rotated = apply_rope(expected.expand(heads, -1, -1), c.view(*idx.shape, -1), s.view(*idx.shape, -1))
+    reference = torch.matmul(qf, rotated.transpose(1, 2)) * 0.25
+    torch.testing.assert_close(layer._rebuilt_key_logits(qf, idx, 0.25), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_rotations_are_the_mean_rotation_over_each_chunks_distances():
+    rope = rope_of()
+    bounds, cos, sin = chunk_rotations(rope, 700, 256, 750)
+    assert bounds == [0, 256, 512, 700]
+    c, s = rope(torch.arange(800))
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        far = slice(750 - (hi - 1), 750 - lo + 1)  # stored token j sits 750 - j before the query
+        torch.testing.assert_close(cos[i], c[far].mean(0), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin[i], s[far].mean(0), rtol=0, atol=1e-6)
+    del rope.rotary  # without the model's static frequencies: no expected scoring
+    assert chunk_rotations(rope, 700, 128, 750) is None
+
+
+@pytest.mark.parametrize("scoring", ["expected", "aligned"])
+def test_a_planted_far_token_is_selected_by_pre_rope_scoring(scoring):
+    """A stored token whose key points along the query (in the slowly rotating dimensions, where a
+    relevant far token's match lives) is among the 2% rebuilt, 400 tokens before the query."""
+    torch.manual_seed(0)
+    rope = rope_of()
+    heads, total, dim = 2, 500, 16
+    cos, sin = rope(torch.arange(total + 1))
+    slow = torch.zeros(dim)
+    slow[[6, 7, 14, 15]] = 1.0  # RoPE pairs (6, 14) and (7, 15): the two slowest frequencies
+    q_pre = torch.randn(heads, 1, dim) * slow
+    keys = apply_rope(torch.randn(heads, total, dim) * 0.1, cos[:total], sin[:total])
+    planted = 100
+    q_post = apply_rope(q_pre, cos[total:], sin[total:])
+    keys[:, planted] = 8 * q_post[:, 0]  # its logit with the query is large at its real position
+    values = torch.randn(heads, total, dim)
+    cfg = S4RConfig(ratio=None, rank_k=32, rank_v=32, key_space="pre_rope", rope_scoring=scoring,
+                    rope_chunk=128, coef_dtype="model", coef_bands=None, outlier_fraction=0.0,
+                    recon_fraction=0.02, local_window=0, pool_kernel=1, sample_tokens=None)
+    layer = compress_layer(keys, values, None, cfg, 32, 32, rope)
+    new_k = apply_rope(torch.randn(heads, 1, dim) * 0.1, cos[total:], sin[total:]).unsqueeze(0)
+    layer.update(new_k, torch.randn(1, heads, 1, dim))
+    query = q_post.repeat_interleave(2, dim=0).unsqueeze(0)  # 4 query heads over 2 KV heads
+    layer.attend(query, None, None, dim**-0.5)
+    assert planted - layer.sinks in layer.selected[0].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32])
+@pytest.mark.parametrize(("groups", "stored", "chunk"),
+                         [(1, 300, 64), (1, 256, 64), (1, 50, 64), (2, 300, 64)])
+def test_chunked_logits_are_each_chunks_own_latent_logits(dtype, groups, stored, chunk):
+    gen = torch.Generator().manual_seed(stored + groups)
+    heads, rows, rank = 2, 3, 8
+    bounds = [*range(0, stored, chunk), stored]
+    queries = torch.randn(len(bounds) - 1, heads, rows, rank, generator=gen)
+    coef = torch.randn(groups, rank, stored + 7, generator=gen) * 40  # spare capacity, as stored
+    coef = coef.round().clamp(-127, 127).to(torch.int8) if dtype == torch.int8 else coef
+    coef_t = coef[..., :stored]
+    scale = torch.rand(groups, stored, generator=gen) + 0.5
+    out = torch.empty(heads, rows, stored + 5)  # the front of a wider buffer, as scoring writes it
+    chunked_latent_logits(queries, bounds, coef_t, scale, 0.25, out[..., :stored])
+    for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        expected = latent_logits(queries[c], coef_t[..., lo:hi], scale[:, lo:hi], 0.25)
+        # int8 queries (CPU int8 path) and bf16 products (the batched path) round alike: ~1%
+        torch.testing.assert_close(out[..., lo:hi], expected, rtol=0.02, atol=0.02 * expected.abs().max())
