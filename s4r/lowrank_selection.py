@@ -143,9 +143,9 @@ class LatentSelection:
         keys = self._rebuilt_keys(idx)  # [H, d, k]
         cos, sin = half_angles(self.rope, idx.reshape(-1) + self.sinks)  # [d/2, B*k]
         batch, k = idx.shape
-        if batch > 1:  # one token set per head: each head's own positions
-            cos = cos.view(-1, batch, k).transpose(0, 1)
-            sin = sin.view(-1, batch, k).transpose(0, 1)
+        if batch > 1:  # one token set per head: each head's own positions (explicit sizes: k may be 0)
+            cos = cos.view(cos.shape[0], batch, k).transpose(0, 1)
+            sin = sin.view(sin.shape[0], batch, k).transpose(0, 1)
         return torch.matmul(qf, rotate_dim_major(keys, cos, sin)).mul_(scaling)
 
     def _rebuilt_keys(self, idx: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class LatentSelection:
         batch, k = idx.shape
         if self._ck.shape[0] == 1:
             flat = idx.reshape(-1)
-            cols = self._ck[0, :, :n].index_select(1, flat).view(-1, batch, k).transpose(0, 1)
+            cols = self._ck[0, :, :n].index_select(1, flat).view(self._ck.shape[1], batch, k).transpose(0, 1)
             scale = None if self._sk is None else self._sk[0, :n].index_select(0, flat).view(batch, 1, k)
         else:
             cols = torch.gather(self._ck[..., :n], 2, idx.unsqueeze(1).expand(-1, self._ck.shape[1], -1))

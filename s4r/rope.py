@@ -93,10 +93,11 @@ def mean_rotation(rope: RopeFn, first: torch.Tensor,
     theta = rotary.inv_freq.double()[None, :]  # [1, d/2]
     start = first.to(device, torch.float64)[:, None]
     count = (last.to(device, torch.float64) - start[:, 0] + 1).clamp_min(1)[:, None]
+    def unit(angle: torch.Tensor) -> torch.Tensor:  # e^{i angle}
+        return torch.polar(torch.ones_like(angle), angle)
+
     # sum of e^{i theta k}, k = first..last, as a geometric series (the theta -> 0 limit is count)
-    one = torch.ones_like(theta)
-    total = torch.polar(one * torch.ones_like(start), theta * start) * (1 - torch.polar(
-        one * torch.ones_like(count), theta * count)) / (1 - torch.polar(one, theta))
+    total = unit(theta * start) * (1 - unit(theta * count)) / (1 - unit(theta))
     total = torch.where(theta * count < 1e-9, count.to(total.dtype).expand_as(total), total)
     mean = total / count
     return torch.cat([mean.real, mean.real], -1).float(), torch.cat([mean.imag, mean.imag], -1).float()

@@ -96,6 +96,9 @@ def test_rebuilt_keys_and_logits_match_the_row_reference(granularity, bands, sha
     rotated = apply_rope(expected.expand(heads, -1, -1), c.view(*idx.shape, -1), s.view(*idx.shape, -1))
     reference = torch.matmul(qf, rotated.transpose(1, 2)) * 0.25
     torch.testing.assert_close(layer._rebuilt_key_logits(qf, idx, 0.25), reference, rtol=1e-4, atol=1e-4)
+    # a segment the step's top-k gave no token (two documents): empty, not an error
+    none = torch.zeros(idx.shape[0], 0, dtype=torch.long)
+    assert layer._rebuilt_key_logits(qf, none, 0.25).shape == (heads, 3, 0)
 
 
 def test_chunk_rotations_are_the_mean_rotation_over_each_chunks_distances():

@@ -29,6 +29,8 @@ from s4r.session import Session
 VARIANTS: dict[str, dict[str, Any]] = {
     "segments": {},
     "fold": {"segment_tokens": 0},
+    # the round 3-5 default (`s4r-fast`: post-RoPE keys), with segments
+    "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0},
 }
 
 
