@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from s4r.bench.merge_runs import load_samples, main, summarize
+from s4r.bench.merge_runs import load_samples, main, parse_methods, summarize
 
 
 def run(tmp_path, name: str, task: str, scores: dict[str, list[float]]) -> str:
@@ -46,6 +46,15 @@ def test_a_sample_some_methods_did_not_answer_is_left_out(tmp_path):
     rows = {r["method"]: r for r in summarize(load_samples([a]))["methods"]}
     assert rows["full"]["mean"]["samples"] == rows["s4r"]["mean"]["samples"] == 2
     assert rows["s4r"]["vs_full"]["share"] == 1.0
+
+
+def test_runs_with_different_method_lists_share_a_table_of_the_common_methods(tmp_path):
+    a = run(tmp_path, "a.json", "niah_multivalue", {"full": [100, 50], "s4r": [100, 50], "extra": [0, 0]})
+    b = run(tmp_path, "b.json", "niah_multikey", {"full": [100, 0], "s4r": [0, 0]})
+    assert len(summarize(load_samples([a, b]))["methods"][0]["tasks"]) == 1  # b lacks "extra"
+    rows = {r["method"]: r for r in summarize(load_samples([a, b], parse_methods("full,s4r@5")))["methods"]}
+    assert set(rows) == {"full", "s4r"} and len(rows["s4r"]["tasks"]) == 2
+    assert rows["s4r"]["vs_full"]["difference"] == -25.0
 
 
 def test_unreadable_or_empty_runs_are_one_line_errors(tmp_path, capsys):

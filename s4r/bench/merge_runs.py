@@ -1,7 +1,7 @@
 """One accuracy table from several `s4r bench --json` runs of the same settings (a long run split by task
 over processes, one per core), with each method's share of the full cache and its paired difference.
 
-    python -m s4r.bench.merge_runs run-a.json run-b.json [--json merged.json]
+    python -m s4r.bench.merge_runs run-a.json run-b.json [--methods full,s4r@5] [--json merged.json]
 
 Samples are matched by (task, length, sample index): every run prefills each sample once and forks it
 into every method, so two methods' scores on one sample are paired, and the difference to the full cache
@@ -23,8 +23,18 @@ from .intervals import Interval, score_interval, stratified_interval, t_quantile
 Key = tuple[str, float]  # (method, requested ratio)
 
 
-def load_samples(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """The per-sample accuracy records of every run (a sample seen twice keeps its first record)."""
+def parse_methods(spec: str) -> set[Key]:
+    """'full,s4r@5,quant@2.5' -> {("full", 1.0), ("s4r", 5.0), ("quant", 2.5)}."""
+    out = set()
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, ratio = item.partition("@")
+        out.add((name, float(ratio) if ratio else 1.0))
+    return out
+
+
+def load_samples(paths: Sequence[str], methods: set[Key] | None = None) -> list[dict[str, Any]]:
+    """The per-sample accuracy records of every run (a sample seen twice keeps its first record), of
+    `methods` only when given (runs with different method lists then share a table)."""
     seen: set[tuple[str, int, int, str, float]] = set()
     out = []
     for path in paths:
@@ -32,6 +42,8 @@ def load_samples(paths: Sequence[str]) -> list[dict[str, Any]]:
             doc = json.load(f)
         for rec in doc.get("accuracy", {}).get("samples", []):
             key = (rec["task"], rec["length"], rec["sample"], rec["method"], rec["ratio"])
+            if methods is not None and (rec["method"], float(rec["ratio"])) not in methods:
+                continue
             if key not in seen:
                 seen.add(key)
                 out.append(rec)
@@ -128,10 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m s4r.bench.merge_runs",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="JSON files written by `s4r bench --json`")
+    parser.add_argument("--methods", default=None, help="only these, e.g. full,s4r@5,quant@5")
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)
     try:
-        samples = load_samples(args.runs)
+        methods = parse_methods(args.methods) if args.methods else None
+        samples = load_samples(args.runs, methods)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: cannot read the runs: {exc}", file=sys.stderr)
         return 2
