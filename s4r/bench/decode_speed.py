@@ -6,7 +6,7 @@
     python -m s4r.bench.decode_speed --device cuda --random-weights --quant 4bit -m llama-3.1-8b-instruct
 
 One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
-(s4r's exact cache, grouped heads folded), each method at each ratio, and `transformers` (plain
+(s4r's exact cache; grouped heads folded on a CPU), each method at each ratio, and `transformers` (plain
 `DynamicCache` + sdpa, what an unmodified model runs) for reference. All forks decode the same tokens
 one at a time in one interleaved loop (`teacher_force`), so a machine that speeds up or slows down
 affects every row alike; figures are median milliseconds per token and the ratio to `full`.
