@@ -51,12 +51,14 @@ def coef_bytes(coef_dtype: str, dtype_bytes: int) -> int:
     return 1 if coef_dtype == "int8" else dtype_bytes
 
 
-def token_coef_bytes(cfg: S4RConfig, rank: int, dtype_bytes: int) -> int:
-    """Bytes one token's coefficients of one basis group take at `rank`: codes, int8 scale, band steps."""
-    if cfg.bands is None:
+def token_coef_bytes(cfg: S4RConfig, rank: int, dtype_bytes: int, values: bool = False) -> int:
+    """Bytes one token's key (or value) coefficients of one basis group take at `rank`: codes, int8
+    scale, band steps."""
+    spec = cfg.band_spec(values)
+    if spec is None:
         scale = dtype_bytes if cfg.coef_dtype == "int8" else 0
         return rank * coef_bytes(cfg.coef_dtype, dtype_bytes) + scale
-    plan = plan_bands(rank, cfg.bands)
+    plan = plan_bands(rank, spec)
     return plan.lead + dtype_bytes + plan.tail_bytes + plan.tail_count * dtype_bytes
 
 
@@ -68,7 +70,8 @@ def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int
     b = shape.dtype_bytes
     sinks = cfg.sinks * shape.full_bytes_per_token()
     bases = groups * width * (rank_k + rank_v) * b
-    coefs = groups * stored * (token_coef_bytes(cfg, rank_k, b) + token_coef_bytes(cfg, rank_v, b))
+    per_token = token_coef_bytes(cfg, rank_k, b) + token_coef_bytes(cfg, rank_v, b, values=True)
+    coefs = groups * stored * per_token
     qwin = shape.q_heads * cfg.query_window * plan_bands(rank_k, cfg.bands).lead * b
     if cfg.scoring == "query":
         qwin = 0  # scores come from the current queries alone

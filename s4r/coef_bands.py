@@ -143,12 +143,14 @@ def decode_tails(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> to
 Encoded = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def encode_coefficients(coef: torch.Tensor, cfg: S4RConfig, dtype: torch.dtype) -> Encoded:
-    """fp32 coefficients [G, N, r] as stored: (lead codes, int8 scales or None, lower-band codes or None,
-    their steps or None). Without `coef_bands` the lead is every column (int8 or the model dtype)."""
+def encode_coefficients(coef: torch.Tensor, cfg: S4RConfig, dtype: torch.dtype,
+                        values: bool = False) -> Encoded:
+    """fp32 key (or value) coefficients [G, N, r] as stored: (lead codes, int8 scales or None, lower-band
+    codes or None, their steps or None). Without bands the lead is every column (int8 or the model
+    dtype)."""
     if cfg.coef_dtype != "int8":
         return coef.to(dtype), None, None, None
-    plan = plan_bands(coef.shape[-1], cfg.bands)
+    plan = plan_bands(coef.shape[-1], cfg.band_spec(values))
     lead, scale = quantize_int8(coef[..., : plan.lead], dtype)
     if not plan.tails:
         return lead, scale, None, None

@@ -186,7 +186,7 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope:
         k_groups, v_groups = compressible_parts(keys, values, cfg, rope, rows)
         proj_k, proj_v = project(k_groups, basis_k), project(v_groups, basis_v)
         _store_rows(enc_k, encode_coefficients(proj_k, cfg, dtype), rows, n)
-        _store_rows(enc_v, encode_coefficients(proj_v, cfg, dtype), rows, n)
+        _store_rows(enc_v, encode_coefficients(proj_v, cfg, dtype, values=True), rows, n)
         if worst is not None:
             worst[rows] = _unexplained_share(k_groups, proj_k) + _unexplained_share(v_groups, proj_v)
     return tuple(enc_k), tuple(enc_v), worst

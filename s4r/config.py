@@ -25,8 +25,11 @@ class S4RConfig:
     ratio: float | None = 5.0
     rank_k: int | None = None
     rank_v: int | None = None
-    # share of the rank budget given to keys when the solver splits it (keys are usually lower-rank)
-    key_share: float = 0.5
+    # share of the rank budget given to keys when the solver splits it. Pre-RoPE keys are far more
+    # low-rank than values: at ratio 5 (4k tokens, tuning book) storing the values at rank 97 cost the
+    # multi-value needles twice what storing the keys at rank 96 did, and 0.4 (ranks 76/113) measured
+    # -0.015 nats of answer NLL against 0.5 over 80 paired needle samples (docs/notes-round7.md)
+    key_share: float = 0.4
     # "uniform": the same ranks in every layer (split by key_share); "energy": ranks spread over layers
     # and between K and V by how much of each sample's energy a basis column captures
     rank_alloc: Literal["uniform", "energy"] = "uniform"
@@ -72,6 +75,9 @@ class S4RConfig:
     # outlier_fraction 0.03 on the tuning book; on the held-out book at ratio 5 the 7.6k perplexity gap
     # fell from +0.125 to +0.045 nats against int8 with 5% outliers (docs/notes-round3.md)
     coef_bands: str | None = "8:2,4:3,2:3"
+    # bands of the value coefficients where they should differ from the keys' (None: `coef_bands`).
+    # Value coefficients score nothing, so they can trade the wide int8 lead for rank
+    value_bands: str | None = None
 
     # decode
     local_window: int = 32
@@ -130,10 +136,11 @@ class S4RConfig:
             raise ValueError(f"scoring must be query, max, mean or summed, got {self.scoring!r}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError("pool_kernel must be a positive odd number")
-        if self.coef_bands is not None:
-            from .coef_bands import parse_band_spec
+        for spec in (self.coef_bands, self.value_bands):
+            if spec is not None:
+                from .coef_bands import parse_band_spec
 
-            parse_band_spec(self.coef_bands)  # raises ValueError with the reason
+                parse_band_spec(spec)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
             raise ValueError("need 1 <= fold_tokens <= buffer_tokens")
         if self.segment_tokens < 0:
@@ -144,7 +151,7 @@ class S4RConfig:
         """Post-RoPE keys attended in latent space (no key is rebuilt), with the outliers that space
         needs: the default of rounds 3-5, about twice as fast a decode step on a CPU as the default and
         less faithful (docs/notes-round6.md)."""
-        return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0)
+        return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0, key_share=0.5)
 
     @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
@@ -173,8 +180,15 @@ class S4RConfig:
 
     @property
     def bands(self) -> str | None:
-        """The coefficient band spec in force (None with model-dtype coefficients)."""
+        """The key coefficients' band spec in force (None with model-dtype coefficients)."""
         return self.coef_bands if self.coef_dtype == "int8" else None
+
+    def band_spec(self, values: bool = False) -> str | None:
+        """The band spec in force for the key or the value coefficients (None: model dtype, or int8
+        without bands)."""
+        if values and self.value_bands is not None and self.coef_dtype == "int8":
+            return self.value_bands
+        return self.bands
 
     def outlier_count(self, stored_tokens: int) -> int:
         """How many of `stored_tokens` are kept exact as outliers."""

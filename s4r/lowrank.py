@@ -70,7 +70,7 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         self._sv = None if scale_v is None else scale_v[..., 0].contiguous()
         # lower coefficient bands (coef_bands): packed codes [G, N, bytes] and steps [G, N, bands]
         self.plan_k = plan_bands(basis_k.shape[-1], cfg.bands)
-        self.plan_v = plan_bands(basis_v.shape[-1], cfg.bands)
+        self.plan_v = plan_bands(basis_v.shape[-1], cfg.band_spec(values=True))
         self._tk, self._tv = contiguous(tail_k), contiguous(tail_v)
         self._tsk, self._tsv = contiguous(tail_step_k), contiguous(tail_step_v)
         if bool(self.plan_k.tails) != (tail_k is not None) or bool(self.plan_v.tails) != (tail_v is not None):
@@ -164,9 +164,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         cos, sin = self.rope(positions)
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def _encode(self, x: torch.Tensor, basis: torch.Tensor) -> Encoded:
+    def _encode(self, x: torch.Tensor, basis: torch.Tensor, values: bool = False) -> Encoded:
         return encode_coefficients(project(to_groups(x, basis.shape[0]).float(), basis.float()), self.cfg,
-                                   self.dtype)
+                                   self.dtype, values)
 
     def _append_coefs(self, ck, sk, cv, sv, tails=(None, None, None, None)) -> None:
         n, m = self._n, ck.shape[1]
@@ -200,7 +200,7 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         picks = self._new_outliers(k, v)
         first = self._n
         ck, sk, tk, tsk = self._encode(k, self.basis_k)
-        cv, sv, tv, tsv = self._encode(v, self.basis_v)
+        cv, sv, tv, tsv = self._encode(v, self.basis_v, values=True)
         self._append_coefs(ck, sk, cv, sv, (tk, tsk, tv, tsv))
         # workspace: sinks | outliers | buffer -> sinks | outliers | new outliers | rest of the buffer
         start, o, rest = self.sinks + self._n_out, picks.numel(), self._n_buf - n

@@ -74,12 +74,18 @@ def ingest_under_cap(loaded, text: str, extra_bytes: int, attempts: dict[str, di
         release_freed_memory()
 
 
-def main(fraction: float) -> None:
-    model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-                       intermediate_size=128, num_hidden_layers=48, max_position_embeddings=4096)
-    loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="deep-narrow", device="cpu",
+def probe_setup(name: str, chars: int, **shape: int) -> tuple[SimpleNamespace, str]:
+    """A random fp32 Llama of `shape` loaded as the library expects, and a `chars`-long document."""
+    model = tiny_model("llama", intermediate_size=128, max_position_embeddings=4096, **shape)
+    loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name=name, device="cpu",
                              dtype=torch.float32, context_length=4096)
-    text = "".join(chr(97 + (i * 7919) % 26) for i in range(DOC_CHARS))
+    return loaded, "".join(chr(97 + (i * 7919) % 26) for i in range(chars))
+
+
+def main(fraction: float) -> None:
+    loaded, text = probe_setup("deep-narrow", DOC_CHARS, hidden_size=256, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=64, num_hidden_layers=48)
+    model = loaded.model
     full = KVShape.from_config(model.config, 4).full_bytes(DOC_CHARS)
     ingest_under_cap(loaded, text, int(fraction * full),
                      {"chunked": {"ingest": "chunked"}, "layerwise": {"ingest": "layerwise"}},

@@ -13,22 +13,16 @@ s4r at ratio 5 layer-wise, hidden states in memory, then spilled. Prints one lin
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
-import torch
-
-from tests.helpers import CharTokenizer, tiny_model
-from tests.memory_cap_probe import ingest_under_cap
+from tests.memory_cap_probe import ingest_under_cap, probe_setup
 
 DOC_CHARS = 3000
 
 
 def main(fraction: float) -> None:
-    model = tiny_model("llama", hidden_size=2048, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-                       intermediate_size=128, num_hidden_layers=8, max_position_embeddings=4096)
-    loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="wide", device="cpu",
-                             dtype=torch.float32, context_length=4096)
-    text = "".join(chr(97 + (i * 7919) % 26) for i in range(DOC_CHARS))
+    loaded, text = probe_setup("wide", DOC_CHARS, hidden_size=2048, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=64, num_hidden_layers=8)
+    model = loaded.model
     hidden = DOC_CHARS * model.config.hidden_size * 4
     ingest_under_cap(loaded, text, int(fraction * hidden),
                      {"off": {"hidden_spill": "off"}, "on": {"hidden_spill": "on"}},

@@ -50,7 +50,8 @@ def staged_doc(model):
 
 @pytest.mark.parametrize("ratio", [2, 3, 5, 8])
 @pytest.mark.parametrize("storage", [{"coef_dtype": "model"}, {"coef_dtype": "int8", "coef_bands": None},
-                                     {"coef_bands": "8:1,4:3,2:4"}], ids=["model", "int8", "bands"])
+                                     {"coef_bands": "8:1,4:3,2:4"}, {"value_bands": "8:1,4:3,2:4"}],
+                         ids=["model", "int8", "bands", "value-bands"])
 def test_ratio_holds_after_prefill_and_500_tokens(model, staged_doc, ratio, storage):
     method = make_method("s4r", ratio, storage)
     shape = KVShape.from_config(model.config, 4)

@@ -66,10 +66,10 @@ def test_banded_layer_attends_close_to_exact_at_full_rank():
         query, torch.cat([keys, new_k[0]], 1).unsqueeze(0).repeat_interleave(2, 1),
         torch.cat([values, new_v[0]], 1).unsqueeze(0).repeat_interleave(2, 1))
 
-    def error(rank: int, bands: str | None) -> float:
+    def error(rank: int, bands: str | None, value_bands: str | None = None) -> float:
         cfg = S4RConfig(key_space="post_rope",
-                        ratio=None, rank_k=rank, rank_v=rank, coef_bands=bands, outlier_fraction=0.0,
-                        recon_fraction=1.0, local_window=0)
+                        ratio=None, rank_k=rank, rank_v=rank, coef_bands=bands, value_bands=value_bands,
+                        outlier_fraction=0.0, recon_fraction=1.0, local_window=0)
         layer = compress_layer(keys, values, None, cfg, rank, rank, None)
         k, v = layer.update(new_k, new_v)
         out = layer.attend(query, k, v, dim**-0.5)
@@ -81,3 +81,21 @@ def test_banded_layer_attends_close_to_exact_at_full_rank():
     same_bytes = max(r for r in range(1, heads * dim) if token_coef_bytes(plain, r, 2) <= per_token)
     banded, cut = error(heads * dim, bands), error(same_bytes, None)
     assert banded < 0.3 and banded < 0.6 * cut, (banded, cut)  # measured 0.20 against 0.40
+    # bands on the values only: int8 keys, the values' own plan decoded by the value path
+    values_banded = error(heads * dim, None, value_bands=bands)
+    assert values_banded < 0.3 and values_banded < 0.6 * cut, (values_banded, cut)
+
+
+def test_value_bands_are_their_own_plan_and_bytes():
+    shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
+    same = S4RConfig(ratio=5.0)
+    own = S4RConfig(ratio=5.0, value_bands="8:1,4:3,2:4")
+    assert own.band_spec(values=False) == same.band_spec(values=True) == "8:2,4:3,2:3"
+    assert own.band_spec(values=True) == "8:1,4:3,2:4"
+    assert S4RConfig(coef_dtype="model", value_bands="8:1,4:3,2:4").band_spec(values=True) is None
+    # a narrower int8 lead costs fewer bytes per value column, so the same budget holds more rank
+    assert token_coef_bytes(own, 97, 2, values=True) < token_coef_bytes(own, 97, 2)
+    a, b = solve_ranks(shape, same, tokens=4096), solve_ranks(shape, own, tokens=4096)
+    assert b.rank_k + b.rank_v > a.rank_k + a.rank_v and b.ratio >= 5.0
+    with pytest.raises(ValueError, match="first coefficient band"):
+        S4RConfig(value_bands="4:1")

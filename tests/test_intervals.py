@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from s4r.bench.intervals import mean_interval, score_interval, stratified_interval, t_quantile_975, wilson
+from s4r.bench.intervals import (
+    difference_interval,
+    mean_interval,
+    score_interval,
+    stratified_interval,
+    t_quantile_975,
+    wilson,
+)
 from s4r.bench.tasks import HELDOUT_BOOK, TASK_SETS, TUNING_BOOK, answer_budget, make_sample
 
 
@@ -31,6 +38,16 @@ def test_mean_interval_is_a_t_interval_clipped_to_the_scale():
     half = t_quantile_975(3) * math.sqrt(((37.5**2 + 12.5**2) * 2 / 3) / 4)
     assert ci.mean == 62.5 and ci.low == pytest.approx(62.5 - half) and ci.high == 100.0
     assert math.isnan(mean_interval([40.0]).low)
+
+
+def test_difference_interval_is_the_same_t_interval_unclipped():
+    # paired differences (points or nats) go below 0 and above 100; only scores are clipped
+    ci = difference_interval([-75.0, -50.0, -25.0, 0.0])
+    half = t_quantile_975(3) * math.sqrt(((37.5**2 + 12.5**2) * 2 / 3) / 4)
+    assert ci.mean == -37.5
+    assert ci.low == pytest.approx(-37.5 - half) and ci.high == pytest.approx(-37.5 + half)
+    assert difference_interval([150.0, 152.0, 154.0, 156.0]).low > 100.0
+    assert math.isnan(difference_interval([-3.0]).high) and difference_interval([]).n == 0
 
 
 def test_pass_fail_scores_get_wilson_partial_ones_t():

@@ -60,8 +60,9 @@ def _variance(values: Sequence[float]) -> float:
     return math.fsum((v - m) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else math.nan
 
 
-def mean_interval(values: Sequence[float]) -> Interval:
-    """Student t interval of a mean score, clipped to 0-100 (a single value has no interval: NaN)."""
+def difference_interval(values: Sequence[float]) -> Interval:
+    """Student t interval of a mean, unclipped: for paired differences, which may be negative (a single
+    value has no interval: NaN)."""
     n = len(values)
     if n == 0:
         return Interval(math.nan, math.nan, math.nan, 0)
@@ -69,7 +70,15 @@ def mean_interval(values: Sequence[float]) -> Interval:
     if n == 1:
         return Interval(mean, math.nan, math.nan, 1)
     half = t_quantile_975(n - 1) * math.sqrt(_variance(values) / n)
-    return Interval(mean, max(0.0, mean - half), min(100.0, mean + half), n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
+def mean_interval(values: Sequence[float]) -> Interval:
+    """Student t interval of a mean score, clipped to 0-100 (a single value has no interval: NaN)."""
+    ci = difference_interval(values)
+    if ci.n < 2:
+        return ci
+    return Interval(ci.mean, max(0.0, ci.low), min(100.0, ci.high), ci.n)
 
 
 def is_pass_fail(values: Sequence[float]) -> bool:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from .intervals import Interval, score_interval, stratified_interval, t_quantile_975
+from .intervals import Interval, difference_interval, score_interval, stratified_interval
 
 Key = tuple[str, float]  # (method, requested ratio)
 
@@ -52,14 +51,7 @@ def load_samples(paths: Sequence[str], methods: set[Key] | None = None) -> list[
 
 def _paired(a: dict[tuple[str, int, int], float], b: dict[tuple[str, int, int], float]) -> Interval:
     """Mean difference a - b over the samples both have, with a t interval (in points, may be < 0)."""
-    diffs = [a[k] - b[k] for k in sorted(set(a) & set(b))]
-    n = len(diffs)
-    if n < 2:
-        return Interval(diffs[0] if diffs else math.nan, math.nan, math.nan, n)
-    mean = math.fsum(diffs) / n
-    var = math.fsum((d - mean) ** 2 for d in diffs) / (n - 1)
-    half = t_quantile_975(n - 1) * math.sqrt(var / n)
-    return Interval(mean, mean - half, mean + half, n)
+    return difference_interval([a[k] - b[k] for k in sorted(set(a) & set(b))])
 
 
 def complete(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

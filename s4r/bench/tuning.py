@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from s4r.bench.intervals import Interval, mean_interval
+from s4r.bench.intervals import Interval, difference_interval
 from s4r.bench.tasks import TUNING_BOOK, Sample, make_samples
 from s4r.errors import BudgetError
 from s4r.session import Session
@@ -51,21 +51,16 @@ class VariantResult:
     ratio: list[float] = field(default_factory=list)
     compress_seconds: list[float] = field(default_factory=list)
 
-    def gap(self, full: VariantResult) -> Interval:
-        """Mean of the per-sample NLL gaps to the full cache, with a paired t interval (nats, not 0-100)."""
-        return paired_gap(self.nll, full.nll)
+    def gap(self, reference: VariantResult) -> Interval:
+        """Mean of the per-sample NLL gaps to `reference` (the full cache, or another variant), with a
+        paired t interval (nats, not 0-100)."""
+        return paired_gap(self.nll, reference.nll)
 
 
 def paired_gap(values: Sequence[float], reference: Sequence[float]) -> Interval:
     """Mean of the per-sample differences `values - reference` (NLLs of the same samples), with a paired t
     interval (nats, not 0-100)."""
-    diffs = [a - b for a, b in zip(values, reference, strict=True)]
-    n = len(diffs)
-    if n < 2:
-        return Interval(diffs[0] if diffs else math.nan, math.nan, math.nan, n)
-    # mean_interval clips to 0-100; shift into range and back (the gaps are far below 50 nats)
-    ci = mean_interval([d + 50.0 for d in diffs])
-    return Interval(ci.mean - 50.0, ci.low - 50.0, ci.high - 50.0, n)
+    return difference_interval([a - b for a, b in zip(values, reference, strict=True)])
 
 
 def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks: Sequence[str], length: int,
@@ -124,8 +119,8 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "outliers=0.12": {"outlier_fraction": 0.12},
     "outliers=0.15": {"outlier_fraction": 0.15},
     "outliers=0.10+ks0.65": {"outlier_fraction": 0.10, "key_share": 0.65},
-    # round 6: the key space (docs/notes-round6.md)
-    "post-rope": {"key_space": "post_rope", "outlier_fraction": 0.03},  # the round-3 to round-5 default
+    # round 6: the key space (docs/notes-round6.md); the default's key_share was 0.5 then
+    "post-rope": {"key_space": "post_rope", "outlier_fraction": 0.03, "key_share": 0.5},  # rounds 3-5 default
     "pre-rope": {"key_space": "pre_rope", "outlier_fraction": 0.03},
     "pre-rope+out0": {"key_space": "pre_rope", "outlier_fraction": 0.0},
     "pre-rope+out0.01": {"key_space": "pre_rope", "outlier_fraction": 0.01},
@@ -148,7 +143,27 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "pre-rope+out0.01+expected128": {"key_space": "pre_rope", "outlier_fraction": 0.01,
                                      "rope_scoring": "expected", "rope_chunk": 128},
     "pre-rope+recon1": {"key_space": "pre_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0},
-    "post-rope+recon1": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0},
+    "post-rope+recon1": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0,
+                         "key_share": 0.5},
+    # round 7: where multi-value answers are lost at ratio 5 (ranks 96/97 of 192 at 4k): oracles that
+    # store one kind losslessly (model-dtype coefficients at full rank, no outliers); they ignore the ratio
+    "recon1": {"recon_fraction": 1.0},
+    "oracle-lossless": {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
+    "oracle-v97": {"rank_k": 192, "rank_v": 97, "coef_dtype": "model", "outlier_fraction": 0.0},
+    "oracle-k96": {"rank_k": 96, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
+    "oracle-int8bands": {"rank_k": 192, "rank_v": 192, "outlier_fraction": 0.0},
+    # the oracles put the loss in the values' rank: move bytes from keys to values (0.4 is the default
+    # since; "ks0.5" is round 6's default)
+    "ks0.5": {"key_share": 0.5},
+    "ks0.45": {"key_share": 0.45},
+    "ks0.4": {"key_share": 0.4},
+    "ks0.35": {"key_share": 0.35},
+    "ks0.3": {"key_share": 0.3},
+    # value coefficients score nothing: a narrower int8 lead buys them rank (value_bands)
+    "ks0.4+v134": {"key_share": 0.4, "value_bands": "8:1,4:3,2:4"},
+    "ks0.35+v134": {"key_share": 0.35, "value_bands": "8:1,4:3,2:4"},
+    "ks0.4+v143": {"key_share": 0.4, "value_bands": "8:1,4:4,2:3"},
+    "ks0.4+v17": {"key_share": 0.4, "value_bands": "8:1,4:7"},
 }
 
 
@@ -238,8 +253,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         doc[name] = {"overrides": res.overrides, "nll": res.nll, "gap": gap.mean, "gap_low": gap.low,
                      "gap_high": gap.high, "samples": gap.n, "ratio": sum(res.ratio) / len(res.ratio),
                      "compress_seconds": sum(res.compress_seconds) / len(res.compress_seconds)}
-        print(f"{name:22s} answer NLL gap {gap.mean:+.3f} [{gap.low:+.3f}, {gap.high:+.3f}] n={gap.n}  "
-              f"ratio {doc[name]['ratio']:.2f}  compress {doc[name]['compress_seconds']:.1f} s")
+        line = (f"{name:22s} answer NLL gap {gap.mean:+.3f} [{gap.low:+.3f}, {gap.high:+.3f}] n={gap.n}  "
+                f"ratio {doc[name]['ratio']:.2f}  compress {doc[name]['compress_seconds']:.1f} s")
+        if "default" in results and name not in ("full", "default"):
+            # a variant against the default is paired too, and far tighter than either gap to full
+            vs = res.gap(results["default"])
+            doc[name]["vs_default"] = {"gap": vs.mean, "gap_low": vs.low, "gap_high": vs.high}
+            line += f"  vs default {vs.mean:+.3f} [{vs.low:+.3f}, {vs.high:+.3f}]"
+        print(line)
     print(f"wall {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -30,7 +30,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "segments": {},
     "fold": {"segment_tokens": 0},
     # the round 3-5 default (`s4r-fast`: post-RoPE keys), with segments
-    "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0},
+    "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0, "key_share": 0.5},
+    # round 7: is document 1 lost in what is stored or in which tokens are rebuilt?
+    "segments-recon1": {"recon_fraction": 1.0},
 }
 
 
