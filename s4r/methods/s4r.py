@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,10 +42,13 @@ class S4RMethod:
         """The override keys it takes: the fields of `S4RConfig`."""
         return frozenset(f.name for f in fields(S4RConfig))
 
+    # the preset a ratio turns into settings; the named variants below differ only in this
+    preset: ClassVar[Callable[[float], S4RConfig]] = staticmethod(S4RConfig)
+
     @classmethod
     def defaults(cls, ratio: float) -> S4RConfig:
         """The settings before overrides."""
-        return S4RConfig(ratio=ratio)
+        return cls.preset(ratio)
 
     @classmethod
     def build(cls, ratio: float, overrides: dict[str, Any] | None = None) -> S4RMethod:
@@ -85,10 +88,7 @@ class S4RPaperMethod(S4RMethod):
     """S4R with the paper's literal settings (`S4RConfig.paper`)."""
 
     name: str = "s4r-paper"
-
-    @classmethod
-    def defaults(cls, ratio: float) -> S4RConfig:
-        return S4RConfig.paper(ratio)
+    preset: ClassVar[Callable[[float], S4RConfig]] = staticmethod(S4RConfig.paper)
 
 
 @dataclass
@@ -96,7 +96,4 @@ class S4RFastMethod(S4RMethod):
     """S4R with post-RoPE keys attended in latent space (`S4RConfig.fast`): a faster step, less faithful."""
 
     name: str = "s4r-fast"
-
-    @classmethod
-    def defaults(cls, ratio: float) -> S4RConfig:
-        return S4RConfig.fast(ratio)
+    preset: ClassVar[Callable[[float], S4RConfig]] = staticmethod(S4RConfig.fast)
