@@ -86,6 +86,16 @@ class S4RConfig:
     # keys measured as well on the tuning book's needles and halves that work (docs/notes-round6.md)
     recon_fraction: float | None = None
     recon_cap: float = 0.2
+    # adaptive budget: a step rebuilds more than the fraction above, up to `recon_max` of the stored
+    # tokens, while a query row's estimated attention on the tokens left out exceeds `recon_drop` (flat
+    # attention, as in counting tasks, needs many tokens; a needle needs few). None: always the fixed
+    # fraction. Tuning book, ratio 5, frequent words (answer NLL, n=8): fixed 20% +0.168 nats to the full
+    # cache; 0.02 up to every token +0.020 (47% rebuilt) but lossy rebuilds of unimportant tokens then
+    # dilute sharp needles (two held-out ones lost); so the ceiling follows the storage's fidelity
+    # (docs/notes-round8.md)
+    recon_drop: float | None = 0.02
+    # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5)
+    recon_max: float | None = None
     top_k: int | None = None
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
@@ -128,6 +138,10 @@ class S4RConfig:
             raise ValueError("recon_fraction must be in (0, 1]")
         if not 0.0 < self.recon_cap <= 1.0:
             raise ValueError("recon_cap must be in (0, 1]")
+        if self.recon_drop is not None and not 0.0 < self.recon_drop < 1.0:
+            raise ValueError("recon_drop must be in (0, 1) (or None for a fixed fraction)")
+        if self.recon_max is not None and not 0.0 < self.recon_max <= 1.0:
+            raise ValueError("recon_max must be in (0, 1] (or None for 2/ratio)")
         if self.rope_chunk < 0:
             raise ValueError("rope_chunk must be >= 0 (0: one chunk)")
         if self.rope_scoring not in ("aligned", "expected"):
@@ -151,7 +165,8 @@ class S4RConfig:
         """Post-RoPE keys attended in latent space (no key is rebuilt), with the outliers that space
         needs: the default of rounds 3-5, about twice as fast a decode step on a CPU as the default and
         less faithful (docs/notes-round6.md)."""
-        return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0, key_share=0.5)
+        return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0, key_share=0.5,
+                   recon_drop=None)
 
     @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
@@ -162,7 +177,7 @@ class S4RConfig:
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
                    coef_bands=None, outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
-                   recon_cap=1.0, scoring="summed", segment_tokens=0)
+                   recon_cap=1.0, recon_drop=None, scoring="summed", segment_tokens=0)
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""
@@ -193,6 +208,12 @@ class S4RConfig:
     def outlier_count(self, stored_tokens: int) -> int:
         """How many of `stored_tokens` are kept exact as outliers."""
         return int(self.outlier_fraction * stored_tokens)
+
+    def recon_ceiling(self) -> float:
+        """The largest share of the stored tokens a step may rebuild with `recon_drop`."""
+        if self.recon_max is not None:
+            return self.recon_max
+        return min(1.0, 2.0 / self.ratio) if self.ratio else 1.0
 
     def reconstruct_count(self, stored_tokens: int) -> int:
         """How many compressed tokens to reconstruct per decode step (besides the local window)."""

@@ -15,7 +15,7 @@ from .growable import MIN_SPARE
 from .latent import chunked_latent_logits, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
 from .rope import chunk_rotations, half_angles, rotate_dim_major, rotate_half, undo_rope
-from .selection import latent_scores, pool_scores, select_tokens, update_relevance
+from .selection import latent_scores, mass_budget, pool_scores, select_tokens, update_relevance
 from .tail_planes import PlanarTail, plane_map
 
 
@@ -39,10 +39,17 @@ class LatentStep:
     # chunked pre-RoPE scoring: the int8-band query of each chunk [C, H, rows, lead] and the chunks'
     # stored-token bounds (C + 1)
     chunks: tuple[torch.Tensor, list[int]] | None = None
+    # adaptive budget (`recon_drop`): the scored rows' probabilities on the stored tokens [G, R, N]
+    probs: torch.Tensor | None = None
 
 
 class LatentSelection:
     """Scoring, selection and the selected tokens' logits of a `LowRankLayer` (a mixin of it)."""
+
+    # tokens rebuilt (or attended in latent space) and tokens stored, summed over the steps: the share of
+    # the cache a step really touches (`CompressedCache.rebuilt_share`)
+    rebuilt_tokens: int = 0
+    scored_tokens: int = 0
 
     def _latent_query(self, qf: torch.Tensor, q_len: int) -> tuple[torch.Tensor, list[int]]:
         """Query coefficients [C, H, rows, r_k] and the C stored-token ranges they score (bounds, C + 1
@@ -112,16 +119,31 @@ class LatentSelection:
         forced = max(0, self.cfg.local_window - self._n_buf) if local else 0
         return min(self.cfg.reconstruct_count(n), n - forced - self._n_out), forced
 
+    def selection_bounds(self, local: bool = True) -> tuple[int, int, int]:
+        """(fewest, most, forced) tokens a step rebuilds: the fixed count, and with `recon_drop` up to
+        `recon_max` of the stored tokens."""
+        k, forced = self.selection_size(local)
+        if self.cfg.recon_drop is None:
+            return k, k, forced
+        most = int(self.cfg.recon_ceiling() * self._n)
+        return k, max(k, min(most, self._n - forced - self._n_out)), forced
+
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
         `shared_selection`), and the queries' logits on them [H, rows, k]."""
         step = self.latent_step(qf, exact_logits, q_len, scaling)
-        idx = select_tokens(self.step_scores(step), *self.selection_size())  # [1 or H, k]
+        scores = self.step_scores(step)
+        k, k_max, forced = self.selection_bounds()
+        if k_max > k and step.probs is not None:
+            k = mass_budget(scores, step.probs, k, k_max, forced, self.cfg.recon_drop)
+        idx = select_tokens(scores, k, forced)  # [1 or H, k]
         return self.selected_logits(step, idx)
 
     def selected_logits(self, step: LatentStep, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices as the value rows need them, the step's logits on the tokens `idx` [H or 1, k])."""
         self.selected = idx.expand(self.heads, -1)
+        self.rebuilt_tokens += idx.shape[-1]
+        self.scored_tokens += self._n
         if self._cv.shape[0] != 1:
             idx = self.selected  # per-head coefficients: every head gathers its own rows anyway
         scaling = step.scaling
@@ -233,6 +255,8 @@ class LatentSelection:
         probs = probs[..., : step.stored]
         groups = 1 if self.cfg.shared_selection else self.heads  # shared: every query head is one group
         probs = probs.view(groups, -1, step.window, probs.shape[-1])
+        if self.cfg.recon_drop is not None:
+            step.probs = probs.reshape(groups, -1, probs.shape[-1])
         rel = update_relevance(self.relevance, probs, self._decay, self.cfg.scoring)
         if self.cfg.scoring != "query":
             self._store_relevance(rel)

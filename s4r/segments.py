@@ -32,7 +32,7 @@ from .latent import merge_partial_attention
 from .layers import CacheLayer
 from .lowrank import LowRankLayer
 from .rope import shifted
-from .selection import select_tokens
+from .selection import mass_budget, select_tokens
 
 
 class SegmentedLayer(CacheLayer):
@@ -113,9 +113,14 @@ class SegmentedLayer(CacheLayer):
         lses = [torch.logsumexp(st.window_logits, dim=-1) for st in steps]
         total = torch.logsumexp(torch.stack(lses), dim=0)  # [H, rows]: the normaliser of every token
         scores = [s.step_scores(st, total) for s, st in zip(self.segments, steps, strict=True)]
-        sizes = [s.selection_size(local=s is self.last) for s in self.segments]
+        bounds = [s.selection_bounds(local=s is self.last) for s in self.segments]
+        joined = torch.cat(scores, dim=-1)
+        k, k_max, forced = sum(b[0] for b in bounds), sum(b[1] for b in bounds), bounds[-1][2]
+        if k_max > k and all(st.probs is not None for st in steps):  # normalized together: comparable
+            probs = torch.cat([st.probs for st in steps], dim=-1)
+            k = mass_budget(joined, probs, k, k_max, forced, self.last.cfg.recon_drop)
         # the local window is the last segment's tail, which is the concatenation's tail
-        chosen = select_tokens(torch.cat(scores, dim=-1), sum(k for k, _ in sizes), sizes[-1][1])[0]
+        chosen = select_tokens(joined, k, forced)[0]
         parts, start = [], 0
         for segment, step, (_, exact_logits, _), sc in zip(self.segments, steps, exact, scores, strict=True):
             end = start + sc.shape[-1]

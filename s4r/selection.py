@@ -97,3 +97,30 @@ def select_tokens(scores: torch.Tensor, k: int, forced_tail: int) -> torch.Tenso
     if not parts:
         return torch.empty(heads, 0, dtype=torch.long, device=scores.device)
     return torch.cat(parts, dim=-1)
+
+
+def mass_budget(scores: torch.Tensor, probs: torch.Tensor, k_min: int, k_max: int, forced_tail: int,
+                drop: float) -> int:
+    """How many stored tokens to rebuild so that no query row drops more than `drop` of its attention.
+
+    scores: [G, N] selection scores (the top of them is what `select_tokens` keeps; -inf for tokens
+    attended exactly anyway); probs: [G, R, N] the rows' estimated attention probabilities on the stored
+    tokens (normalized over everything the row attends). The last `forced_tail` tokens are kept anyway.
+    Returns the smallest top-k count, clamped to [k_min, k_max], after which every row's probability on
+    the tokens left out is at most `drop`: flat attention (many tokens matter a little) gets more tokens,
+    a few sharp peaks fewer.
+    """
+    n = scores.shape[-1]
+    candidates = n - min(forced_tail, n)
+    k_max = min(k_max, candidates)
+    if k_max <= k_min:
+        return k_max
+    s = scores[:, :candidates]
+    p = probs[..., :candidates].float()
+    # the mass that could be left out (exact tokens, scored -inf, never are), as one product: a masked copy
+    # of p and a full sort cost ten times more on a CPU, and this runs in every layer of every step
+    total = torch.matmul(p, torch.isfinite(s).to(p.dtype).unsqueeze(-1))  # [G, R, 1]
+    top = torch.topk(s, k_max, dim=-1, sorted=True).indices  # only the first k_max can matter
+    kept = torch.gather(p, 2, top.unsqueeze(1).expand(-1, p.shape[1], -1)).cumsum_(dim=-1)
+    need = ((total - kept) > drop).sum(dim=-1) + 1  # left out is non-increasing: the first count that fits
+    return int(min(max(int(need.max()), k_min), k_max))

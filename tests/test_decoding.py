@@ -126,6 +126,14 @@ def test_long_document_is_compressed(loaded: SimpleNamespace) -> None:
     session.ingest(FOX * 70)
     assert session.method == "s4r" and session.uncompressed_reason is None
     assert session.memory().ratio >= 2
+    assert session.cache.rebuilt_share() is None  # no step yet
+    session.ask("hi", max_new_tokens=3)
+    share = session.cache.rebuilt_share()
+    assert share is not None and 0.0 < share <= 1.0
+    full = Session(loaded, method="full")
+    full.ingest(FOX * 70)
+    full.ask("hi", max_new_tokens=1)
+    assert full.cache.rebuilt_share() is None  # nothing is rebuilt from an exact cache
 
 
 def test_benchmark_forks_still_refuse_an_unreachable_ratio(loaded: SimpleNamespace) -> None:

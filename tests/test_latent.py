@@ -165,8 +165,8 @@ def test_a_token_planted_to_win_the_attention_is_selected(scoring, shared, bands
     width = DIM * HEADS
     cfg = S4RConfig(key_space="post_rope",
                     ratio=None, rank_k=width, rank_v=width, coef_dtype="int8", sample_tokens=None,
-                    recon_fraction=0.05, outlier_fraction=0.0, scoring=scoring, local_window=4,
-                    shared_selection=shared, coef_bands=bands)
+                    recon_fraction=0.05, recon_drop=None, outlier_fraction=0.0, scoring=scoring,
+                    local_window=4, shared_selection=shared, coef_bands=bands)
     g = gen(9)
     tokens, planted = 400, 123
     keys = torch.randn(HEADS, tokens, DIM, generator=g) * 0.3

@@ -211,11 +211,22 @@ def test_the_rebuild_budget_goes_where_the_query_looks_across_segments():
     assert set(range(200 - first.sinks, 280 - first.sinks)) <= picked
 
 
+def test_the_drop_bound_grows_the_budget_over_every_segment():
+    """With `recon_drop`, 80 planted tokens in document 1 are all rebuilt though the fixed count over
+    both segments is smaller: the budget is sized on the probabilities normalized over both."""
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "recon_fraction": 0.04, "recon_drop": 0.05, "recon_max": 0.5})
+    settled, query = _planted_pair(cfg, True, torch.Generator().manual_seed(3))
+    settled.attend(query, None, None, DIM**-0.5)
+    first, second = settled.segments
+    assert first.selection_size()[0] + second.selection_size()[0] < 80
+    assert set(range(200 - first.sinks, 280 - first.sinks)) <= set(first.selected[0].tolist())
+
+
 def test_a_segment_may_rebuild_nothing():
     """Banded storage (the default) when the whole budget goes to the other segment."""
     cfg = S4RConfig(key_space="post_rope",
-                    ratio=None, rank_k=8, rank_v=8, recon_fraction=0.1, outlier_fraction=0.0,
-                    segment_tokens=256)
+                    ratio=None, rank_k=8, rank_v=8, recon_fraction=0.1, recon_drop=None,
+                    outlier_fraction=0.0, segment_tokens=256)
     settled, query = _planted_pair(cfg, False, torch.Generator().manual_seed(4))
     out = settled.attend(query, None, None, DIM**-0.5)
     assert settled.segments[0].selected.shape[1] == 0 and bool(out.isfinite().all())

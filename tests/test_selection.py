@@ -3,6 +3,8 @@ outlier choice, the hybrid sample and the int8 round trip (constructed cases, no
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from s4r.attention import causal_attention
 from s4r.compress import compress_layer, compressible_parts, outlier_tokens
 from s4r.config import S4RConfig
 from s4r.layers import project_queries, to_groups
-from s4r.selection import latent_scores, pool_scores, select_tokens
+from s4r.selection import latent_scores, mass_budget, pool_scores, select_tokens
 from s4r.subspace import dequantize_int8, hybrid_sample_indices, project, quantize_int8
 
 HEADS, N_REP, DIM = 2, 3, 16  # 2 KV heads, each shared by 3 query heads
@@ -93,6 +95,72 @@ def test_each_kv_head_selects_for_its_own_query_heads():
     assert planted[1] - layer.sinks not in selected[0] and planted[0] - layer.sinks not in selected[1]
     dense = causal_attention(query, keys.unsqueeze(0), values.unsqueeze(0), DIM**-0.5)
     torch.testing.assert_close(out, dense, rtol=0, atol=0.05)
+
+
+def test_mass_budget_grows_with_flat_attention_and_stays_in_its_bounds():
+    peaked = torch.full((1, 1, 100), 0.001)
+    peaked[0, 0, 7] = 0.9
+    flat = torch.full((1, 1, 100), 0.009)
+    for probs in (peaked, flat):
+        scores = probs[:, 0].clone()
+        assert mass_budget(scores, probs, 0, 100, 0, 0.5) <= mass_budget(scores, probs, 0, 100, 0, 0.05)
+    # the peak alone leaves 0.099 out: one token suffices for 0.1, none more for the floor of 1
+    assert mass_budget(peaked[:, 0], peaked, 1, 50, 0, 0.1) == 1
+    # flat: 0.9 of mass over 100 tokens; dropping at most 0.09 needs 90 tokens, capped at 50
+    assert mass_budget(flat[:, 0], flat, 1, 100, 0, 0.09 + 1e-6) == 90
+    assert mass_budget(flat[:, 0], flat, 1, 50, 0, 0.09 + 1e-6) == 50
+    assert mass_budget(flat[:, 0], flat, 60, 100, 0, 0.5) == 60  # the fixed count is the floor
+
+
+def test_mass_budget_counts_the_worst_row_and_skips_exact_and_forced_tokens():
+    probs = torch.zeros(1, 2, 10)
+    probs[0, 0, 0] = 0.5  # row 0: one sharp token
+    probs[0, 1, 2:8] = 0.1  # row 1: six tokens of 0.1
+    scores = probs.amax(dim=1)
+    assert mass_budget(scores, probs, 0, 10, 0, 0.05) == 7  # row 1 needs all six after row 0's token
+    scores[0, 2] = float("-inf")  # token 2 is an exact outlier: its mass is never dropped
+    assert mass_budget(scores, probs, 0, 10, 0, 0.05) == 6
+    assert mass_budget(scores, probs, 0, 10, 3, 0.05) == 5  # tokens 7-9 are the forced local window
+
+
+@pytest.mark.parametrize("bad", [{"recon_drop": 0.0}, {"recon_drop": 1.0}, {"recon_max": 0.0},
+                                 {"recon_max": 1.5}])
+def test_drop_bound_settings_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match="recon_"):
+        S4RConfig(**bad)
+
+
+def test_the_fast_and_paper_presets_keep_a_fixed_reconstruction_share():
+    assert S4RConfig().recon_drop is not None
+    assert S4RConfig.fast().recon_drop is None and S4RConfig.paper().recon_drop is None
+
+
+def test_a_layer_with_a_drop_bound_rebuilds_more_tokens_for_flat_attention():
+    """With `recon_drop`, a query that attends evenly gets more than the fixed fraction, one that finds
+    its planted token keeps the fixed count; both attend closer to dense than the fixed fraction does."""
+    layer, keys, values, query = planted_layer({0: 123, 1: 123}, shared=True)
+    adaptive = dataclasses.replace(layer.cfg, scoring="query", recon_drop=0.05, recon_max=1.0)
+    flat_query = torch.zeros_like(query)
+    for q, more in ((query, False), (flat_query, True)):
+        fixed_out = layer.attend(q, None, None, DIM**-0.5)
+        fixed = layer.selected.shape[1]
+        layer.cfg = adaptive
+        out = layer.attend(q, None, None, DIM**-0.5)
+        layer.cfg = dataclasses.replace(adaptive, recon_drop=None)
+        assert (layer.selected.shape[1] > 3 * fixed) is more
+        dense = causal_attention(q, keys.unsqueeze(0), values.unsqueeze(0), DIM**-0.5)
+        assert (out - dense).abs().max() <= (fixed_out - dense).abs().max() + 1e-6
+
+
+def test_the_drop_bound_stops_at_its_ceiling_for_a_chunk_too():
+    """The budget grows up to `recon_max`, by default twice the storage fraction (2/ratio)."""
+    layer, _, _, query = planted_layer({0: 123, 1: 123}, shared=True)
+    layer.cfg = dataclasses.replace(layer.cfg, scoring="query", recon_drop=0.05, recon_max=0.3)
+    flat_chunk = torch.zeros(1, query.shape[1], 2, DIM)  # two query tokens attending evenly
+    layer.attend(flat_chunk, None, None, DIM**-0.5)
+    assert layer.selected.shape[1] == int(0.3 * layer.stored_coefs)
+    assert S4RConfig(ratio=5).recon_ceiling() == 0.4 and S4RConfig(ratio=2.5).recon_ceiling() == 0.8
+    assert S4RConfig(ratio=1.5).recon_ceiling() == 1.0 and S4RConfig(recon_max=0.3).recon_ceiling() == 0.3
 
 
 def test_outlier_tokens_are_the_worst_represented_ones():

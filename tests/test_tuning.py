@@ -28,6 +28,8 @@ def test_answer_nll_is_the_teacher_forced_loss_and_leaves_the_cache_as_it_was():
     nll = answer_nll(session, sample)
     assert session.logical_length == before
     assert answer_nll(session, sample) == nll  # repeatable: nothing of the first call stayed behind
+    # token by token (as generation feeds the answer) or in one chunk: the same loss on a full cache
+    assert abs(answer_nll(session, sample, stepwise=False) - nll) < 1e-4
     # the same loss computed by hand with a fresh session
     fresh = Session(loaded, method="full")
     fresh.ingest(sample.context)

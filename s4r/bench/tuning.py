@@ -1,8 +1,9 @@
 """Tuning runs: S4R settings compared by the likelihood of the reference answer, on the tuning book.
 
 Greedy answers score 0 or 100 and need many samples to separate two settings; the negative
-log-likelihood of the reference answer (teacher-forced after the question and the answer prefix) is a
-continuous figure from one forward per setting, so variants can be told apart with a few samples. Every
+log-likelihood of the reference answer (teacher-forced after the question and the answer prefix, one
+answer token per step as generation feeds it) is a continuous figure, so variants can be told apart with
+a few samples. Every
 sample is prefilled once and forked into every variant (as the bench does). The gap to the full cache
 is paired per sample, so its interval leaves the samples' own difficulty out.
 """
@@ -23,20 +24,31 @@ from s4r.errors import BudgetError
 from s4r.session import Session
 
 
-def answer_nll(session: Session, sample: Sample) -> float:
+def answer_nll(session: Session, sample: Sample, stepwise: bool = True) -> float:
     """Mean NLL (nats per token) of the sample's reference answer after its question, through the
-    session's cache; the cache is truncated back afterwards, so the session can be reused."""
+    session's cache; the cache is truncated back afterwards, so the session can be reused.
+
+    `stepwise`: the question goes in as one chunk and the answer one token at a time, as generation
+    feeds it (a compressed cache chooses the tokens it rebuilds per step, so a chunk of answer rows
+    sharing one choice measures another thing); False: question and answer in one teacher-forced chunk.
+    """
     prompt = session._encode(session._turn_prefix() + sample.question.strip() + session.segments.to_assistant
                              + sample.answer_prefix)
     answer = session._encode(" " + ", ".join(sample.answers) + ".")
-    ids = torch.tensor([prompt + answer], dtype=torch.long, device=session.device)
     start = session.logical_length
-    positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
+    chunks = [prompt, *([t] for t in answer[:-1])] if stepwise else [prompt + answer[:-1]]
+    logits, pos = [], start
     with torch.inference_mode():
-        out = session.model(input_ids=ids, position_ids=positions, cache=session.cache, use_cache=True,
-                            logits_to_keep=len(answer) + 1)
-        logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
-        nll = -logp.gather(1, torch.tensor(answer, device=ids.device).unsqueeze(1)).mean().item()
+        for chunk in chunks:
+            ids = torch.tensor([chunk], dtype=torch.long, device=session.device)
+            positions = torch.arange(pos, pos + len(chunk), device=ids.device).unsqueeze(0)
+            keep = 1 if stepwise else len(answer)
+            out = session.model(input_ids=ids, position_ids=positions, cache=session.cache, use_cache=True,
+                                logits_to_keep=keep)
+            logits.append(out.logits[0].float())
+            pos += len(chunk)
+        logp = torch.log_softmax(torch.cat(logits), dim=-1)
+        nll = -logp.gather(1, torch.tensor(answer, device=logp.device).unsqueeze(1)).mean().item()
     session.cache.truncate(start)
     return nll
 
@@ -50,6 +62,7 @@ class VariantResult:
     nll: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
     compress_seconds: list[float] = field(default_factory=list)
+    rebuilt: list[float] = field(default_factory=list)  # share of the stored tokens the answer rebuilt
 
     def gap(self, reference: VariantResult) -> Interval:
         """Mean of the per-sample NLL gaps to `reference` (the full cache, or another variant), with a
@@ -89,10 +102,13 @@ def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks:
                     res.compress_seconds.append(math.nan)
                     res.ratio.append(math.nan)
                     res.nll.append(math.nan)
+                    res.rebuilt.append(math.nan)
                     continue
                 res.compress_seconds.append(time.perf_counter() - t0)
                 res.ratio.append(fork.memory().ratio)
                 res.nll.append(answer_nll(fork, sample))
+                share = fork.cache.rebuilt_share() if hasattr(fork.cache, "rebuilt_share") else None
+                res.rebuilt.append(math.nan if share is None else share)
             if note is not None:
                 note(f"{task} #{k + 1}: " + ", ".join(f"{n} {r.nll[-1]:.3f}" for n, r in results.items()))
     return results
@@ -164,6 +180,29 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "ks0.35+v134": {"key_share": 0.35, "value_bands": "8:1,4:3,2:4"},
     "ks0.4+v143": {"key_share": 0.4, "value_bands": "8:1,4:4,2:3"},
     "ks0.4+v17": {"key_share": 0.4, "value_bands": "8:1,4:7"},
+    # round 8: is the multi-value and frequent-words loss the choice of tokens (recon_cap) or storage?
+    "cap0.4": {"recon_cap": 0.4},  # at ratio 2.5: the paper's fraction 1/ratio
+    "recon0.3": {"recon_fraction": 0.3},  # at ratio 5: more than 1/ratio
+    "recon0.4": {"recon_fraction": 0.4},
+    # once the rank is full (ratio 2.5 at 4k), richer bands instead of unused bytes
+    "bands431": {"coef_bands": "8:4,4:3,2:1"},
+    "bands-int8": {"coef_bands": None},
+    # the choice itself: pooling, the rotation chunks of pre-RoPE scoring, memory of earlier queries
+    "pool1": {"pool_kernel": 1},
+    "pool3": {"pool_kernel": 3},
+    "chunk128": {"rope_chunk": 128},
+    "scoring-max": {"scoring": "max"},
+    # an adaptive budget: more tokens while a query row would drop more than this much attention
+    # (round 8; the default since, in generation steps): "fixed" is the share of rounds 6-7
+    "fixed": {"recon_drop": None},
+    "drop0.02+max0.4": {"recon_drop": 0.02, "recon_max": 0.4},
+    "drop0.02": {"recon_drop": 0.02},
+    "drop0.05": {"recon_drop": 0.05},
+    "drop0.1": {"recon_drop": 0.1},
+    "drop0.05+max1": {"recon_drop": 0.05, "recon_max": 1.0},
+    "drop0.01": {"recon_drop": 0.01},
+    "drop0.02+max1": {"recon_drop": 0.02, "recon_max": 1.0},
+    "recon0.5": {"recon_fraction": 0.5},
 }
 
 
@@ -252,9 +291,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         gap = res.gap(full)
         doc[name] = {"overrides": res.overrides, "nll": res.nll, "gap": gap.mean, "gap_low": gap.low,
                      "gap_high": gap.high, "samples": gap.n, "ratio": sum(res.ratio) / len(res.ratio),
-                     "compress_seconds": sum(res.compress_seconds) / len(res.compress_seconds)}
+                     "compress_seconds": sum(res.compress_seconds) / len(res.compress_seconds),
+                     "rebuilt": sum(res.rebuilt) / len(res.rebuilt) if res.rebuilt else math.nan}
         line = (f"{name:22s} answer NLL gap {gap.mean:+.3f} [{gap.low:+.3f}, {gap.high:+.3f}] n={gap.n}  "
-                f"ratio {doc[name]['ratio']:.2f}  compress {doc[name]['compress_seconds']:.1f} s")
+                f"ratio {doc[name]['ratio']:.2f}  rebuilt {doc[name]['rebuilt']:.2f}  "
+                f"compress {doc[name]['compress_seconds']:.1f} s")
         if "default" in results and name not in ("full", "default"):
             # a variant against the default is paired too, and far tighter than either gap to full
             vs = res.gap(results["default"])
