@@ -45,8 +45,8 @@ class CompressedCache(Cache):
         return self.full_nbytes() / stored if stored else float("inf")
 
     def rebuilt_share(self) -> float | None:
-        """Share of the stored (compressed) tokens the decode steps so far rebuilt, over every layer and
-        step; None before any sparse step."""
+        """Share of the stored (compressed) tokens the steps so far rebuilt (or attended in latent space),
+        over every layer and step; None before any sparse step."""
         parts = [p for layer in self.layers for p in getattr(layer, "segments", [layer])]
         rebuilt = sum(getattr(p, "rebuilt_tokens", 0) for p in parts)
         scored = sum(getattr(p, "scored_tokens", 0) for p in parts)

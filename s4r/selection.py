@@ -108,7 +108,8 @@ def mass_budget(scores: torch.Tensor, probs: torch.Tensor, k_min: int, k_max: in
     tokens (normalized over everything the row attends). The last `forced_tail` tokens are kept anyway.
     Returns the smallest top-k count, clamped to [k_min, k_max], after which every row's probability on
     the tokens left out is at most `drop`: flat attention (many tokens matter a little) gets more tokens,
-    a few sharp peaks fewer.
+    a few sharp peaks keep the fixed count. (The count is a host int: on a GPU this waits for the step's
+    scores, once per layer.)
     """
     n = scores.shape[-1]
     candidates = n - min(forced_tail, n)

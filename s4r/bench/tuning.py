@@ -193,7 +193,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "chunk128": {"rope_chunk": 128},
     "scoring-max": {"scoring": "max"},
     # an adaptive budget: more tokens while a query row would drop more than this much attention
-    # (round 8; the default since, in generation steps): "fixed" is the share of rounds 6-7
+    # (round 8; the default since, up to 2/ratio): "fixed" is the share of rounds 6-7
     "fixed": {"recon_drop": None},
     "drop0.02+max0.4": {"recon_drop": 0.02, "recon_max": 0.4},
     "drop0.02": {"recon_drop": 0.02},

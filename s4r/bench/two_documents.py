@@ -33,6 +33,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0, "key_share": 0.5},
     # round 7: is document 1 lost in what is stored or in which tokens are rebuilt?
     "segments-recon1": {"recon_fraction": 1.0},
+    # round 8: the fixed share of rounds 6-7 (the default now grows it where attention is flat)
+    "segments-fixed": {"recon_drop": None},
 }
 
 
