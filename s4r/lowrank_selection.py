@@ -128,15 +128,22 @@ class LatentSelection:
         most = int(self.cfg.recon_ceiling() * self._n)
         return k, max(k, min(most, self._n - forced - self._n_out)), forced
 
+    def rebuild_count(self, scores: torch.Tensor, probs: torch.Tensor | None,
+                      bounds: tuple[int, int, int]) -> int:
+        """The tokens a step rebuilds within `bounds` (`selection_bounds`, or their sum over segments): the
+        fixed count, grown by `mass_budget` when the step kept its rows' probabilities."""
+        k, k_max, forced = bounds
+        if k_max <= k or probs is None:
+            return k
+        return mass_budget(scores, probs, k, k_max, forced, self.cfg.recon_drop)
+
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
         `shared_selection`), and the queries' logits on them [H, rows, k]."""
         step = self.latent_step(qf, exact_logits, q_len, scaling)
         scores = self.step_scores(step)
-        k, k_max, forced = self.selection_bounds()
-        if k_max > k and step.probs is not None:
-            k = mass_budget(scores, step.probs, k, k_max, forced, self.cfg.recon_drop)
-        idx = select_tokens(scores, k, forced)  # [1 or H, k]
+        bounds = self.selection_bounds()
+        idx = select_tokens(scores, self.rebuild_count(scores, step.probs, bounds), bounds[2])  # [1 or H, k]
         return self.selected_logits(step, idx)
 
     def selected_logits(self, step: LatentStep, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

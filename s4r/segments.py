@@ -32,7 +32,7 @@ from .latent import merge_partial_attention
 from .layers import CacheLayer
 from .lowrank import LowRankLayer
 from .rope import shifted
-from .selection import mass_budget, select_tokens
+from .selection import select_tokens
 
 
 class SegmentedLayer(CacheLayer):
@@ -114,13 +114,13 @@ class SegmentedLayer(CacheLayer):
         total = torch.logsumexp(torch.stack(lses), dim=0)  # [H, rows]: the normaliser of every token
         scores = [s.step_scores(st, total) for s, st in zip(self.segments, steps, strict=True)]
         bounds = [s.selection_bounds(local=s is self.last) for s in self.segments]
-        joined = torch.cat(scores, dim=-1)
-        k, k_max, forced = sum(b[0] for b in bounds), sum(b[1] for b in bounds), bounds[-1][2]
-        if k_max > k and all(st.probs is not None for st in steps):  # normalized together: comparable
-            probs = torch.cat([st.probs for st in steps], dim=-1)
-            k = mass_budget(joined, probs, k, k_max, forced, self.last.cfg.recon_drop)
         # the local window is the last segment's tail, which is the concatenation's tail
-        chosen = select_tokens(joined, k, forced)[0]
+        total_bounds = (sum(b[0] for b in bounds), sum(b[1] for b in bounds), bounds[-1][2])
+        joined = torch.cat(scores, dim=-1)
+        # the rows' probabilities are normalized over every segment, so they concatenate
+        probs = None if any(st.probs is None for st in steps) else torch.cat([st.probs for st in steps], -1)
+        count = self.last.rebuild_count(joined, probs, total_bounds)
+        chosen = select_tokens(joined, count, total_bounds[2])[0]
         parts, start = [], 0
         for segment, step, (_, exact_logits, _), sc in zip(self.segments, steps, exact, scores, strict=True):
             end = start + sc.shape[-1]

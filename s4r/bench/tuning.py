@@ -37,12 +37,12 @@ def answer_nll(session: Session, sample: Sample, stepwise: bool = True) -> float
     answer = session._encode(" " + ", ".join(sample.answers) + ".")
     start = session.logical_length
     chunks = [prompt, *([t] for t in answer[:-1])] if stepwise else [prompt + answer[:-1]]
+    keep = 1 if stepwise else len(answer)  # logits of the rows that predict answer tokens
     logits, pos = [], start
     with torch.inference_mode():
         for chunk in chunks:
             ids = torch.tensor([chunk], dtype=torch.long, device=session.device)
             positions = torch.arange(pos, pos + len(chunk), device=ids.device).unsqueeze(0)
-            keep = 1 if stepwise else len(answer)
             out = session.model(input_ids=ids, position_ids=positions, cache=session.cache, use_cache=True,
                                 logits_to_keep=keep)
             logits.append(out.logits[0].float())
@@ -107,7 +107,7 @@ def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks:
                 res.compress_seconds.append(time.perf_counter() - t0)
                 res.ratio.append(fork.memory().ratio)
                 res.nll.append(answer_nll(fork, sample))
-                share = fork.cache.rebuilt_share() if hasattr(fork.cache, "rebuilt_share") else None
+                share = fork.cache.rebuilt_share()
                 res.rebuilt.append(math.nan if share is None else share)
             if note is not None:
                 note(f"{task} #{k + 1}: " + ", ".join(f"{n} {r.nll[-1]:.3f}" for n, r in results.items()))
