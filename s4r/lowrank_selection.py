@@ -15,7 +15,14 @@ from .growable import MIN_SPARE
 from .latent import chunked_latent_logits, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
 from .rope import chunk_rotations, half_angles, rotate_dim_major, rotate_half, undo_rope
-from .selection import latent_scores, mass_budget, pool_scores, select_tokens, update_relevance
+from .selection import (
+    latent_scores,
+    mass_budget,
+    pool_scores,
+    ranked_candidates,
+    select_tokens,
+    update_relevance,
+)
 from .tail_planes import PlanarTail, plane_map
 
 
@@ -59,8 +66,7 @@ class LatentSelection:
         if self.cfg.key_space != "pre_rope":
             return project_queries(qf, self.basis_k)[None], [0, n]
         end = self.logical if self.query_end is None else self.query_end
-        positions = torch.arange(end - q_len, end, device=qf.device)  # a host tensor would sync a GPU
-        cos, sin = self._rope(positions)
+        cos, sin = self._query_angles(end, q_len, qf.device)
         n_rep = qf.shape[1] // q_len
         q = undo_rope(qf.view(self.heads, n_rep, q_len, -1), cos, sin).float()
         rotations = None
@@ -77,6 +83,18 @@ class LatentSelection:
         blocks = head_blocks(self.basis_k, self.heads).float()
         coef = torch.matmul(q.reshape(self.heads, -1, q.shape[-1]), blocks)
         return coef.view(self.heads, chunks, -1, coef.shape[-1]).transpose(0, 1), bounds
+
+    def _query_angles(self, end: int, q_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's tables of the step's query positions end - q_len .. end - 1; every layer of a step asks
+        the same, so with static frequencies the last answer is kept on `rope`."""
+        key = (end, q_len, self.dtype, device)
+        memo = getattr(self.rope, "query_memo", None)
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        tables = self._rope(torch.arange(end - q_len, end, device=device))  # a host tensor would sync a GPU
+        if hasattr(self.rope, "rotary"):  # `model_rope_fn` found static frequencies
+            self.rope.query_memo = (key, tables)
+        return tables
 
     def latent_step(self, qf: torch.Tensor, exact_logits: torch.Tensor, q_len: int,
                     scaling: float) -> LatentStep:
@@ -128,22 +146,24 @@ class LatentSelection:
         most = int(self.cfg.recon_ceiling() * self._n)
         return k, max(k, min(most, self._n - forced - self._n_out)), forced
 
-    def rebuild_count(self, scores: torch.Tensor, probs: torch.Tensor | None,
-                      bounds: tuple[int, int, int]) -> int:
-        """The tokens a step rebuilds within `bounds` (`selection_bounds`, or their sum over segments): the
-        fixed count, grown by `mass_budget` when the step kept its rows' probabilities."""
+    def choose_tokens(self, scores: torch.Tensor, probs: torch.Tensor | None,
+                      bounds: tuple[int, int, int]) -> torch.Tensor:
+        """Indices [G, k] of the stored tokens a step rebuilds, within `bounds` (`selection_bounds`, or
+        their sum over segments): the fixed count's top tokens, grown by `mass_budget` when the step kept
+        its rows' probabilities, and the forced local window."""
         k, k_max, forced = bounds
         if k_max <= k or probs is None:
-            return k
-        return mass_budget(scores, probs, k, k_max, forced, self.cfg.recon_drop)
+            return select_tokens(scores, k, forced)
+        ranked = ranked_candidates(scores, k_max, forced)  # one top-k serves the count and the choice
+        count = mass_budget(scores, probs, k, k_max, forced, self.cfg.recon_drop, ranked=ranked)
+        return select_tokens(scores, count, forced, ranked=ranked)
 
     def _select_and_score(self, qf, exact_logits, q_len, scaling):
         """Indices [H or 1, k] of the stored tokens to attend (1: one set for every head, see
         `shared_selection`), and the queries' logits on them [H, rows, k]."""
         step = self.latent_step(qf, exact_logits, q_len, scaling)
         scores = self.step_scores(step)
-        bounds = self.selection_bounds()
-        idx = select_tokens(scores, self.rebuild_count(scores, step.probs, bounds), bounds[2])  # [1 or H, k]
+        idx = self.choose_tokens(scores, step.probs, self.selection_bounds())  # [1 or H, k]
         return self.selected_logits(step, idx)
 
     def selected_logits(self, step: LatentStep, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +190,7 @@ class LatentSelection:
     def _rebuilt_key_logits(self, qf, idx, scaling):
         """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
         keys = self._rebuilt_keys(idx)  # [H, d, k]
-        cos, sin = half_angles(self.rope, idx.reshape(-1) + self.sinks)  # [d/2, B*k]
+        cos, sin = half_angles(self.rope, idx.reshape(-1) + self.sinks, self.sinks + self._n)  # [d/2, B*k]
         batch, k = idx.shape
         if batch > 1:  # one token set per head: each head's own positions (explicit sizes: k may be 0)
             cos = cos.view(cos.shape[0], batch, k).transpose(0, 1)
@@ -193,11 +213,11 @@ class LatentSelection:
             scale = None if self._sk is None else torch.gather(self._sk[:, :n], 1, idx).unsqueeze(1)
         cols = cols.float() if scale is None else cols.float().mul_(scale.float())
         blocks = head_blocks(self.basis_k, self.heads).float()  # [H, d, r]
-        keys = torch.matmul(blocks[..., :lead], cols)
+        keys = _product(blocks[..., :lead], cols)
         if self._tk is not None:
             tail = self.planar_tail(idx, keys=True)
             folded = torch.matmul(blocks[..., lead:], plane_map(self.plan_k, str(keys.device)).T)
-            keys += torch.matmul(folded, tail.planes)
+            keys += _product(folded, tail.planes)
         return keys
 
     def planar_tail(self, idx: torch.Tensor, keys: bool) -> PlanarTail:
@@ -297,3 +317,12 @@ class LatentSelection:
         if getattr(self, "_out_cache", (None, None))[0] is not self.out_idx:
             self._out_cache = (self.out_idx, self.out_idx.long())
         return self._out_cache[1]
+
+
+def _product(blocks: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """blocks [H, d, x] times cols [B, x, k] (B = 1: shared by every head): [H, d, k]; a shared `cols` and
+    one matrix product instead of a batched one over an expanded copy."""
+    heads, d, _ = blocks.shape
+    if cols.shape[0] == 1:
+        return torch.matmul(blocks.reshape(heads * d, -1), cols[0]).view(heads, d, -1)
+    return torch.matmul(blocks, cols)

@@ -63,21 +63,42 @@ def shifted(rope: RopeFn | None, offset: int) -> RopeFn | None:
     return moved
 
 
-def half_angles(rope: RopeFn, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def half_angles(rope: RopeFn, positions: torch.Tensor,
+                upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (cos, sin) [d/2, n] of `positions`, dimension-major: RoPE rotates the pair (i, i + d/2) by
     one angle, so half of `rope`'s [n, d] tables is all a rotation needs. Computed from the model's
     static frequencies where `model_rope_fn` found them (a quarter of the work of the full tables, no
-    round trip through the model's dtype), else taken from `rope`."""
+    round trip through the model's dtype), else taken from `rope`. With `upto` (every position is below
+    it) they are gathered from a table of all positions kept on the rotary module (`angle_table`): a
+    decode step asks for thousands of positions in every layer."""
     rotary = getattr(rope, "rotary", None)
     if rotary is not None:
+        offset = getattr(rope, "offset", 0)
+        if upto is not None:
+            cos, sin = angle_table(rotary, upto + offset)
+            flat = positions.reshape(-1) + offset if offset else positions.reshape(-1)
+            return cos.index_select(1, flat), sin.index_select(1, flat)
         inv = rotary.inv_freq.float()
-        positions = positions + getattr(rope, "offset", 0)
-        angles = inv[:, None] * positions.to(inv.device, torch.float32)[None, :]
+        angles = inv[:, None] * (positions + offset).to(inv.device, torch.float32)[None, :]
         scale = float(rotary.attention_scaling)
         return angles.cos().mul_(scale), angles.sin().mul_(scale)
     cos, sin = rope(positions)
     half = cos.shape[-1] // 2
     return cos[:, :half].float().T.contiguous(), sin[:, :half].float().T.contiguous()
+
+
+def angle_table(rotary, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (cos, sin) [d/2, P] of positions 0..P-1 (P > `upto`), as `half_angles` computes them, kept on
+    `rotary` and regrown by doubling. The same values as computing them per call: integer positions are
+    exact in fp32 below 2^24."""
+    inv, scale = rotary.inv_freq, float(rotary.attention_scaling)
+    memo = getattr(rotary, "s4r_angle_table", None)
+    if memo is None or memo[0] is not inv or memo[1] != scale or memo[2].shape[1] <= upto:
+        size = max(4096, 1 << int(upto).bit_length())
+        angles = inv.float()[:, None] * torch.arange(size, device=inv.device, dtype=torch.float32)[None, :]
+        memo = (inv, scale, angles.cos().mul_(scale), angles.sin().mul_(scale))
+        rotary.s4r_angle_table = memo
+    return memo[2], memo[3]
 
 
 def mean_rotation(rope: RopeFn, first: torch.Tensor,

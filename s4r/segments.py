@@ -32,7 +32,6 @@ from .latent import merge_partial_attention
 from .layers import CacheLayer
 from .lowrank import LowRankLayer
 from .rope import shifted
-from .selection import select_tokens
 
 
 class SegmentedLayer(CacheLayer):
@@ -119,8 +118,7 @@ class SegmentedLayer(CacheLayer):
         joined = torch.cat(scores, dim=-1)
         # the rows' probabilities are normalized over every segment, so they concatenate
         probs = None if any(st.probs is None for st in steps) else torch.cat([st.probs for st in steps], -1)
-        count = self.last.rebuild_count(joined, probs, total_bounds)
-        chosen = select_tokens(joined, count, total_bounds[2])[0]
+        chosen = self.last.choose_tokens(joined, probs, total_bounds)[0]
         parts, start = [], 0
         for segment, step, (_, exact_logits, _), sc in zip(self.segments, steps, exact, scores, strict=True):
             end = start + sc.shape[-1]

@@ -82,15 +82,20 @@ def pool_scores(scores: torch.Tensor, kernel: int, mode: str = "max") -> torch.T
     return F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False).squeeze(1)
 
 
-def select_tokens(scores: torch.Tensor, k: int, forced_tail: int) -> torch.Tensor:
-    """Indices [H, k'] of tokens to reconstruct: the last `forced_tail` ones plus the top-k of the rest."""
+def select_tokens(scores: torch.Tensor, k: int, forced_tail: int,
+                  ranked: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [H, k'] of tokens to reconstruct: the last `forced_tail` ones plus the top-k of the rest.
+    `ranked` ([H, >= k] candidates in descending score, `ranked_candidates`) saves the top-k search."""
     heads, n = scores.shape
     forced_tail = min(forced_tail, n)
     candidates = n - forced_tail
     k = min(k, candidates)
     parts = []
     if k > 0:
-        parts.append(torch.topk(scores[:, :candidates], k, dim=-1, sorted=False).indices)
+        if ranked is not None and ranked.shape[-1] >= k:
+            parts.append(ranked[:, :k])
+        else:
+            parts.append(torch.topk(scores[:, :candidates], k, dim=-1, sorted=False).indices)
     if forced_tail > 0:
         tail = torch.arange(candidates, n, device=scores.device)
         parts.append(tail.unsqueeze(0).expand(heads, -1))
@@ -99,13 +104,21 @@ def select_tokens(scores: torch.Tensor, k: int, forced_tail: int) -> torch.Tenso
     return torch.cat(parts, dim=-1)
 
 
+def ranked_candidates(scores: torch.Tensor, k_max: int, forced_tail: int) -> torch.Tensor:
+    """The top `k_max` tokens [G, k_max'] of [G, N] `scores`, best first, outside the last `forced_tail`
+    (kept anyway): what `mass_budget` counts over and `select_tokens` then takes a prefix of."""
+    candidates = scores.shape[-1] - min(forced_tail, scores.shape[-1])
+    return torch.topk(scores[:, :candidates], min(k_max, candidates), dim=-1, sorted=True).indices
+
+
 def mass_budget(scores: torch.Tensor, probs: torch.Tensor, k_min: int, k_max: int, forced_tail: int,
-                drop: float) -> int:
+                drop: float, ranked: torch.Tensor | None = None) -> int:
     """How many stored tokens to rebuild so that no query row drops more than `drop` of its attention.
 
     scores: [G, N] selection scores (the top of them is what `select_tokens` keeps; -inf for tokens
     attended exactly anyway); probs: [G, R, N] the rows' estimated attention probabilities on the stored
     tokens (normalized over everything the row attends). The last `forced_tail` tokens are kept anyway.
+    `ranked`: `ranked_candidates(scores, k_max, forced_tail)` when the caller has it.
     Returns the smallest top-k count, clamped to [k_min, k_max], after which every row's probability on
     the tokens left out is at most `drop`: flat attention (many tokens matter a little) gets more tokens,
     a few sharp peaks keep the fixed count. (The count is a host int: on a GPU this waits for the step's
@@ -121,7 +134,7 @@ def mass_budget(scores: torch.Tensor, probs: torch.Tensor, k_min: int, k_max: in
     # the mass that could be left out (exact tokens, scored -inf, never are), as one product: a masked copy
     # of p and a full sort cost ten times more on a CPU, and this runs in every layer of every step
     total = torch.matmul(p, torch.isfinite(s).to(p.dtype).unsqueeze(-1))  # [G, R, 1]
-    top = torch.topk(s, k_max, dim=-1, sorted=True).indices  # only the first k_max can matter
+    top = ranked_candidates(scores, k_max, forced_tail) if ranked is None else ranked[:, :k_max]
     kept = torch.gather(p, 2, top.unsqueeze(1).expand(-1, p.shape[1], -1)).cumsum_(dim=-1)
     need = ((total - kept) > drop).sum(dim=-1) + 1  # left out is non-increasing: the first count that fits
     return int(min(max(int(need.max()), k_min), k_max))

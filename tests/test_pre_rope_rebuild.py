@@ -11,7 +11,7 @@ from s4r.compress import compress_layer
 from s4r.config import S4RConfig
 from s4r.latent import chunked_latent_logits, latent_logits
 from s4r.layers import head_blocks
-from s4r.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major
+from s4r.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major, shifted
 from tests.helpers import tiny_model
 
 
@@ -54,6 +54,21 @@ def test_half_angles_are_the_models_own_tables(overrides):
         torch.testing.assert_close(got[1], sin[:, :half].float().T, rtol=0, atol=1e-6)
     # the two halves of the model's tables are one angle per pair, which the half tables rely on
     assert torch.equal(cos[:, :half], cos[:, half:])
+
+
+def test_the_angle_table_gives_the_computed_angles_and_regrows():
+    rope = rope_of(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 1024})
+    positions = torch.tensor([0, 5, 17, 900, 3000])
+    for upto in (3001, 5000):  # within the first table, then past it after a regrowth
+        positions[-1] = upto - 1
+        computed = half_angles(rope, positions)
+        tabled = half_angles(rope, positions, upto)
+        assert torch.equal(tabled[0], computed[0]) and torch.equal(tabled[1], computed[1])
+    assert rope.rotary.s4r_angle_table[2].shape[1] > 5000
+    moved = shifted(rope, 7000)  # a segment's positions: the offset joins the table's index
+    assert all(torch.equal(a, b) for a, b in zip(half_angles(moved, positions, 5000),
+                                                 half_angles(rope, positions + 7000), strict=True))
 
 
 def test_dimension_major_rotation_is_apply_rope():

@@ -12,7 +12,7 @@ from s4r.attention import causal_attention
 from s4r.compress import compress_layer, compressible_parts, outlier_tokens
 from s4r.config import S4RConfig
 from s4r.layers import project_queries, to_groups
-from s4r.selection import latent_scores, mass_budget, pool_scores, select_tokens
+from s4r.selection import latent_scores, mass_budget, pool_scores, ranked_candidates, select_tokens
 from s4r.subspace import dequantize_int8, hybrid_sample_indices, project, quantize_int8
 
 HEADS, N_REP, DIM = 2, 3, 16  # 2 KV heads, each shared by 3 query heads
@@ -121,6 +121,23 @@ def test_mass_budget_counts_the_worst_row_and_skips_exact_and_forced_tokens():
     scores[0, 2] = float("-inf")  # token 2 is an exact outlier: its mass is never dropped
     assert mass_budget(scores, probs, 0, 10, 0, 0.05) == 6
     assert mass_budget(scores, probs, 0, 10, 3, 0.05) == 5  # tokens 7-9 are the forced local window
+
+
+def test_one_ranked_top_k_gives_the_budget_and_the_selection_of_two_searches():
+    torch.manual_seed(3)
+    layer = compress_layer(torch.randn(2, 310, DIM), torch.randn(2, 310, DIM), None,
+                           S4RConfig(key_space="post_rope", ratio=None, rank_k=8, rank_v=8,
+                                     recon_drop=0.05), 8, 8, None)
+    for _ in range(20):
+        scores = torch.randn(1, 300)
+        scores[0, torch.randint(0, 300, (5,))] = float("-inf")  # exact outliers
+        probs = torch.softmax(torch.randn(1, 6, 300) * 2, dim=-1)
+        count = mass_budget(scores, probs, 30, 150, 16, 0.05)
+        ranked = ranked_candidates(scores, 150, 16)
+        assert mass_budget(scores, probs, 30, 150, 16, 0.05, ranked=ranked) == count
+        chosen = layer.choose_tokens(scores, probs, (30, 150, 16))
+        two_searches = select_tokens(scores, count, 16)
+        assert torch.equal(chosen.sort().values, two_searches.sort().values)
 
 
 @pytest.mark.parametrize("bad", [{"recon_drop": 0.0}, {"recon_drop": 1.0}, {"recon_max": 0.0},
