@@ -96,6 +96,10 @@ class S4RConfig:
     recon_drop: float | None = 0.02
     # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5)
     recon_max: float | None = None
+    # at most this many stored tokens rebuilt per step, whatever the fractions above give (None: no
+    # limit). A pre-RoPE step's work grows with the tokens it rebuilds, so shares of a long context cost
+    # more than attending all of it exactly (docs/notes-round9.md); ShadowKV keeps a fixed token budget
+    recon_token_cap: int | None = None
     top_k: int | None = None
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
@@ -142,6 +146,8 @@ class S4RConfig:
             raise ValueError("recon_drop must be in (0, 1) (or None for a fixed fraction)")
         if self.recon_max is not None and not 0.0 < self.recon_max <= 1.0:
             raise ValueError("recon_max must be in (0, 1] (or None for 2/ratio)")
+        if self.recon_token_cap is not None and self.recon_token_cap < 1:
+            raise ValueError("recon_token_cap must be at least 1 (or None for no limit)")
         if self.rope_chunk < 0:
             raise ValueError("rope_chunk must be >= 0 (0: one chunk)")
         if self.rope_scoring not in ("aligned", "expected"):

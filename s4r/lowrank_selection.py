@@ -135,16 +135,22 @@ class LatentSelection:
         segment whose tokens are not the most recent)."""
         n = self._n
         forced = max(0, self.cfg.local_window - self._n_buf) if local else 0
-        return min(self.cfg.reconstruct_count(n), n - forced - self._n_out), forced
+        k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
+        return min(k, self._token_cap(forced)), forced
 
     def selection_bounds(self, local: bool = True) -> tuple[int, int, int]:
         """(fewest, most, forced) tokens a step rebuilds: the fixed count, and with `recon_drop` up to
-        `recon_max` of the stored tokens."""
+        `recon_max` of the stored tokens (both within `recon_token_cap`)."""
         k, forced = self.selection_size(local)
         if self.cfg.recon_drop is None:
             return k, k, forced
-        most = int(self.cfg.recon_ceiling() * self._n)
+        most = min(int(self.cfg.recon_ceiling() * self._n), self._token_cap(forced))
         return k, max(k, min(most, self._n - forced - self._n_out)), forced
+
+    def _token_cap(self, forced: int) -> int:
+        """The most top-k tokens `recon_token_cap` leaves besides the forced local window."""
+        cap = self.cfg.recon_token_cap
+        return self._n if cap is None else max(0, cap - forced)
 
     def choose_tokens(self, scores: torch.Tensor, probs: torch.Tensor | None,
                       bounds: tuple[int, int, int]) -> torch.Tensor:

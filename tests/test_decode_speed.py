@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, staged_cache, tiled
+from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, method_spec, staged_cache, tiled
 from s4r.generation import forward_tokens
 from s4r.rope import model_rope_fn
 from tests.helpers import CharTokenizer, tiny_model
@@ -38,6 +38,18 @@ def test_every_fork_decodes_and_the_exact_ones_agree(monkeypatch):
     assert forks[1].cache.ratio() > 2.2
     # only the reference row ran transformers' own attention: once per layer and step
     assert len(calls) == 20 * loaded.model.config.num_hidden_layers
+
+
+def test_a_method_spec_carries_its_settings_into_the_fork():
+    assert method_spec("s4r") == ("s4r", {})
+    assert method_spec("s4r+recon_token_cap=64+recon_drop=None+scoring=max") == (
+        "s4r", {"recon_token_cap": 64, "recon_drop": None, "scoring": "max"})
+    loaded = tiny_loaded()
+    with torch.inference_mode():
+        staged = staged_cache(loaded.model, list(range(5, 95)) * 10, chunk_size=128)
+        forks = make_forks(loaded.model, staged, [("s4r+recon_token_cap=64", 2.5)])
+    assert forks[1].name == "s4r+recon_token_cap=64 2.5"
+    assert all(layer.cfg.recon_token_cap == 64 for layer in forks[1].cache.layers)
 
 
 def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):

@@ -222,6 +222,14 @@ def test_the_drop_bound_grows_the_budget_over_every_segment():
     assert set(range(200 - first.sinks, 280 - first.sinks)) <= set(first.selected[0].tolist())
 
 
+def test_the_token_cap_holds_for_the_layer_not_per_segment():
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "recon_fraction": 0.3, "recon_token_cap": 50})
+    settled, query = _planted_pair(cfg, True, torch.Generator().manual_seed(3))
+    settled.attend(query, None, None, DIM**-0.5)
+    rebuilt = sum(segment.selected.shape[1] for segment in settled.segments)
+    assert rebuilt == 50 and all(s.selection_size()[0] <= 50 for s in settled.segments)
+
+
 def test_a_segment_may_rebuild_nothing():
     """Banded storage (the default) when the whole budget goes to the other segment."""
     cfg = S4RConfig(key_space="post_rope",

@@ -180,6 +180,21 @@ def test_the_drop_bound_stops_at_its_ceiling_for_a_chunk_too():
     assert S4RConfig(ratio=1.5).recon_ceiling() == 1.0 and S4RConfig(recon_max=0.3).recon_ceiling() == 0.3
 
 
+def test_the_token_cap_bounds_the_fixed_count_and_the_ceiling():
+    layer, _, _, query = planted_layer({0: 123, 1: 123}, shared=True)
+    flat_chunk = torch.zeros(1, query.shape[1], 2, DIM)
+    for drop in (None, 0.05):  # the fixed share, then the budget that grows to its ceiling
+        layer.cfg = dataclasses.replace(layer.cfg, scoring="query", recon_drop=drop, recon_fraction=0.5,
+                                        recon_max=0.9, recon_token_cap=40)
+        layer.attend(flat_chunk, None, None, DIM**-0.5)
+        assert layer.selected.shape[1] == 40
+        layer.cfg = dataclasses.replace(layer.cfg, recon_token_cap=None)
+        layer.attend(flat_chunk, None, None, DIM**-0.5)
+        assert layer.selected.shape[1] > 40
+    with pytest.raises(ValueError, match="recon_token_cap"):
+        S4RConfig(recon_token_cap=0)
+
+
 def test_outlier_tokens_are_the_worst_represented_ones():
     basis = torch.eye(4)[:, :2].unsqueeze(0)  # spans the first two axes
     x = torch.zeros(1, 10, 4)

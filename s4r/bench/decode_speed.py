@@ -108,15 +108,33 @@ def plain_fork(model, staged: CompressedCache) -> PlainTransformersCache:
     return cache
 
 
+def method_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """`s4r` or `s4r+recon_token_cap=2048+pool_kernel=3`: a method and settings of it (numbers, None,
+    true/false or words), so one run can time a setting beside the default."""
+    name, *settings = spec.split("+")
+    overrides: dict[str, Any] = {}
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"a setting is key=value, got '{item}'")
+        try:
+            overrides[key] = json.loads(raw.lower() if raw.lower() in ("true", "false") else raw)
+        except json.JSONDecodeError:
+            overrides[key] = None if raw == "None" else raw
+    return name, overrides
+
+
 def make_forks(model, staged: CompressedCache, combos: list[tuple[str, float]]) -> list[Fork]:
-    """`full`, each (method, ratio) and the plain transformers reference, each from a copy of `staged`."""
+    """`full`, each (method spec, ratio) (see `method_spec`) and the plain transformers reference, each
+    from a copy of `staged`."""
     device = next(model.parameters()).device
     rope = model_rope_fn(model)
     forks = []
-    for name, ratio in [("full", 1.0), *combos]:
+    for spec, ratio in [("full", 1.0), *combos]:
         cache = staged.copy_staged()
-        make_method(name, ratio).compress(cache, CompressContext(rope, ratio))
-        forks.append(Fork(name if name == "full" else f"{name} {ratio:g}", model, device, cache, ratio))
+        name, overrides = method_spec(spec)
+        make_method(name, ratio, overrides or None).compress(cache, CompressContext(rope, ratio))
+        forks.append(Fork(spec if spec == "full" else f"{spec} {ratio:g}", model, device, cache, ratio))
     forks.append(Fork(PLAIN, model, device, plain_fork(model, staged)))
     return forks
 
@@ -186,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--model", "-m", default="smollm2-135m")
     parser.add_argument("--lengths", default="2k,4k,8k")
-    parser.add_argument("--methods", default="s4r")
+    parser.add_argument("--methods", default="s4r",
+                        help="methods, each optionally with settings: s4r,s4r+recon_token_cap=2048")
     parser.add_argument("--ratios", default="2.5,5")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per fork")
     parser.add_argument("--warmup", type=int, default=4)
@@ -216,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, quant=args.quant,
                         **kwargs)
     combos = [(m, r) for m in args.methods.split(",") for r in ratios]
+    try:
+        for spec, ratio in combos:
+            name, overrides = method_spec(spec)
+            make_method(name, ratio, overrides or None)
+    except ValueError as exc:  # a typo should not wait for the model and the prefill
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr),
                    prefill_tokens=args.prefill)
     print(markdown(rows))

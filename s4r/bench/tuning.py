@@ -195,6 +195,9 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # an adaptive budget: more tokens while a query row would drop more than this much attention
     # (round 8; the default since, up to 2/ratio): "fixed" is the share of rounds 6-7
     "fixed": {"recon_drop": None},
+    # (round 9) a step's rebuild capped in tokens: the adaptive budget's work grows with the context
+    "tokens1024": {"recon_token_cap": 1024},
+    "tokens2048": {"recon_token_cap": 2048},
     "drop0.02+max0.4": {"recon_drop": 0.02, "recon_max": 0.4},
     "drop0.02": {"recon_drop": 0.02},
     "drop0.05": {"recon_drop": 0.05},
