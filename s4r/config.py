@@ -96,9 +96,11 @@ class S4RConfig:
     recon_drop: float | None = 0.02
     # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5)
     recon_max: float | None = None
-    # at most this many stored tokens rebuilt per step, whatever the fractions above give (None: no
-    # limit). A pre-RoPE step's work grows with the tokens it rebuilds, so shares of a long context cost
-    # more than attending all of it exactly (docs/notes-round9.md); ShadowKV keeps a fixed token budget
+    # at most this many stored tokens rebuilt per step, whatever the fractions above give; None: 10,240/ratio
+    # (2,048 at ratio 5, 4,096 at 2.5), 0: no limit. A pre-RoPE step's work grows with the tokens it
+    # rebuilds, so shares of a long context cost more than attending all of it exactly (at 32k, ratio 5:
+    # 0.35x the full cache's speed uncapped, 1.13x with 2,048; answer NLL at 7.6k, where it binds, +0.009
+    # and +0.000 on two books; docs/notes-round9.md). ShadowKV keeps a fixed token budget too
     recon_token_cap: int | None = None
     top_k: int | None = None
     pool_kernel: int = 7
@@ -146,8 +148,8 @@ class S4RConfig:
             raise ValueError("recon_drop must be in (0, 1) (or None for a fixed fraction)")
         if self.recon_max is not None and not 0.0 < self.recon_max <= 1.0:
             raise ValueError("recon_max must be in (0, 1] (or None for 2/ratio)")
-        if self.recon_token_cap is not None and self.recon_token_cap < 1:
-            raise ValueError("recon_token_cap must be at least 1 (or None for no limit)")
+        if self.recon_token_cap is not None and self.recon_token_cap < 0:
+            raise ValueError("recon_token_cap must be >= 0 (0: no limit, None: 10240/ratio)")
         if self.rope_chunk < 0:
             raise ValueError("rope_chunk must be >= 0 (0: one chunk)")
         if self.rope_scoring not in ("aligned", "expected"):
@@ -172,7 +174,7 @@ class S4RConfig:
         needs: the default of rounds 3-5, about twice as fast a decode step on a CPU as the default and
         less faithful (docs/notes-round6.md)."""
         return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0, key_share=0.5,
-                   recon_drop=None)
+                   recon_drop=None, recon_token_cap=0)
 
     @classmethod
     def paper(cls, ratio: float = 5.0) -> S4RConfig:
@@ -183,7 +185,7 @@ class S4RConfig:
         return cls(ratio=ratio, key_share=0.5, rank_alloc="uniform", sample_tokens=1024, recent_share=0.5,
                    normalize=True, key_space="post_rope", granularity="layer", coef_dtype="model",
                    coef_bands=None, outlier_fraction=0.0, query_window=32, pool_kernel=7, recon_fraction=None,
-                   recon_cap=1.0, recon_drop=None, scoring="summed", segment_tokens=0)
+                   recon_cap=1.0, recon_drop=None, recon_token_cap=0, scoring="summed", segment_tokens=0)
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> S4RConfig:
         """A copy with `overrides` applied; unknown keys raise ValueError."""
@@ -220,6 +222,12 @@ class S4RConfig:
         if self.recon_max is not None:
             return self.recon_max
         return min(1.0, 2.0 / self.ratio) if self.ratio else 1.0
+
+    def token_cap(self) -> int | None:
+        """The most stored tokens a step rebuilds (`recon_token_cap`), or None for no limit."""
+        if self.recon_token_cap is None:
+            return round(10240 / self.ratio) if self.ratio else None
+        return self.recon_token_cap or None
 
     def reconstruct_count(self, stored_tokens: int) -> int:
         """How many compressed tokens to reconstruct per decode step (besides the local window)."""

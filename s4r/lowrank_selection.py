@@ -149,7 +149,7 @@ class LatentSelection:
 
     def _token_cap(self, forced: int) -> int:
         """The most top-k tokens `recon_token_cap` leaves besides the forced local window."""
-        cap = self.cfg.recon_token_cap
+        cap = self.cfg.token_cap()
         return self._n if cap is None else max(0, cap - forced)
 
     def choose_tokens(self, scores: torch.Tensor, probs: torch.Tensor | None,
@@ -326,8 +326,8 @@ class LatentSelection:
 
 
 def _product(blocks: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """blocks [H, d, x] times cols [B, x, k] (B = 1: shared by every head): [H, d, k]; a shared `cols` and
-    one matrix product instead of a batched one over an expanded copy."""
+    """blocks [H, d, x] times cols [B, x, k] (B = 1: shared by every head): [H, d, k]. A shared `cols` is
+    one matrix product over the heads' stacked rows, not a batched one over an expanded copy."""
     heads, d, _ = blocks.shape
     if cols.shape[0] == 1:
         return torch.matmul(blocks.reshape(heads * d, -1), cols[0]).view(heads, d, -1)

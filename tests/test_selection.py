@@ -188,11 +188,15 @@ def test_the_token_cap_bounds_the_fixed_count_and_the_ceiling():
                                         recon_max=0.9, recon_token_cap=40)
         layer.attend(flat_chunk, None, None, DIM**-0.5)
         assert layer.selected.shape[1] == 40
-        layer.cfg = dataclasses.replace(layer.cfg, recon_token_cap=None)
+        layer.cfg = dataclasses.replace(layer.cfg, recon_token_cap=0)  # no limit
         layer.attend(flat_chunk, None, None, DIM**-0.5)
         assert layer.selected.shape[1] > 40
     with pytest.raises(ValueError, match="recon_token_cap"):
-        S4RConfig(recon_token_cap=0)
+        S4RConfig(recon_token_cap=-1)
+    # unset, the cap follows the ratio as the ceiling does; the fixed-share presets keep no limit
+    assert S4RConfig(ratio=5).token_cap() == 2048 and S4RConfig(ratio=2.5).token_cap() == 4096
+    assert S4RConfig(ratio=5, recon_token_cap=0).token_cap() is None
+    assert S4RConfig.fast(5).token_cap() is None and S4RConfig.paper(5).token_cap() is None
 
 
 def test_outlier_tokens_are_the_worst_represented_ones():

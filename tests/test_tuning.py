@@ -65,3 +65,15 @@ def test_perplexity_gaps_fork_every_variant_from_one_prefill():
     nll, ratio = gaps["int8"]
     assert full_ratio == 1.0 and ratio >= 2.0
     assert full_nll > 0 and nll > 0 and nll != full_nll  # compression changed the continuation's loss
+
+
+def test_two_documents_record_each_arms_greedy_answers_for_the_diagnosis():
+    from s4r.bench.two_documents import run_pairs, summary
+
+    notes: list[str] = []
+    arms = run_pairs(_loaded(), {"segments": {}}, length=600, samples=1, ratio=2.0, book="romeo-and-juliet",
+                     second_book="romeo-and-juliet", task="niah_single_noise", note=notes.append)
+    for arm in arms.values():
+        assert [len(a) for a in arm.answers] == [len(s) for s in arm.scores] == [1, 1]
+    assert "answers full" in notes[-1] and repr(arms["segments"].answers[1][0].strip()) in notes[-1]
+    assert list(summary(arms)["segments"]["raw"]["answers"]) == list(arms["segments"].answers)

@@ -198,6 +198,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # (round 9) a step's rebuild capped in tokens: the adaptive budget's work grows with the context
     "tokens1024": {"recon_token_cap": 1024},
     "tokens2048": {"recon_token_cap": 2048},
+    "tokens4096": {"recon_token_cap": 4096},
     "drop0.02+max0.4": {"recon_drop": 0.02, "recon_max": 0.4},
     "drop0.02": {"recon_drop": 0.02},
     "drop0.05": {"recon_drop": 0.05},

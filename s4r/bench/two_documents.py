@@ -46,6 +46,7 @@ class ArmResult:
     overrides: dict[str, Any]
     nll: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
     scores: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
+    answers: tuple[list[str], list[str]] = field(default_factory=lambda: ([], []))  # the greedy ones
     ratio: list[float] = field(default_factory=list)
 
 
@@ -77,10 +78,14 @@ def run_pairs(loaded: Any, variants: dict[str, dict[str, Any]], *, length: int, 
                 budget = answer_budget(sample, count, 32)
                 answer, _ = fork.ask(sample.question, prime=sample.answer_prefix, max_new_tokens=budget)
                 arm.scores[d].append(float(score(sample, answer)))
+                arm.answers[d].append(answer)
         if note is not None:
             note(f"pair {k + 1}: " + ", ".join(
                 f"{n} nll {a.nll[0][-1]:.3f}/{a.nll[1][-1]:.3f} "
                 f"score {a.scores[0][-1]:.0f}/{a.scores[1][-1]:.0f}" for n, a in arms.items()))
+            # what a wrong answer says (the other document's number, a digit dropped) is the diagnosis
+            note(f"  needles {doc1.answers} / {doc2.answers}; answers " + ", ".join(
+                f"{n} {a.answers[0][-1].strip()!r} / {a.answers[1][-1].strip()!r}" for n, a in arms.items()))
     return arms
 
 
