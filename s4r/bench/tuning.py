@@ -195,7 +195,9 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # an adaptive budget: more tokens while a query row would drop more than this much attention
     # (round 8; the default since, up to 2/ratio): "fixed" is the share of rounds 6-7
     "fixed": {"recon_drop": None},
-    # (round 9) a step's rebuild capped in tokens: the adaptive budget's work grows with the context
+    # (round 9) a step's rebuild capped in tokens: the adaptive budget's work grows with the context. The
+    # default since: 10,240/R tokens; "uncapped" is round 8's default
+    "uncapped": {"recon_token_cap": 0},
     "tokens1024": {"recon_token_cap": 1024},
     "tokens2048": {"recon_token_cap": 2048},
     "tokens4096": {"recon_token_cap": 4096},
