@@ -99,7 +99,7 @@ class S4RConfig:
     # at most this many stored tokens rebuilt per step, whatever the fractions above give; None: 10,240/ratio
     # (2,048 at ratio 5, 4,096 at 2.5), 0: no limit. A pre-RoPE step's work grows with the tokens it
     # rebuilds, so shares of a long context cost more than attending all of it exactly (at 32k, ratio 5:
-    # 0.35x the full cache's speed uncapped, 1.13x with 2,048; answer NLL at 7.6k, where it binds, +0.009
+    # 0.36x the full cache's speed uncapped, 1.20x with 2,048; answer NLL at 7.6k, where it binds, +0.009
     # and +0.000 on two books; docs/notes-round9.md). ShadowKV keeps a fixed token budget too
     recon_token_cap: int | None = None
     top_k: int | None = None
