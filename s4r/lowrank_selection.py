@@ -14,7 +14,7 @@ import torch
 from .growable import MIN_SPARE
 from .latent import chunked_latent_logits, gathered_logits, latent_logits
 from .layers import head_blocks, project_queries
-from .rope import chunk_rotations, half_angles, rotate_dim_major, rotate_half, undo_rope
+from .rope import chunk_rotations, half_angles, last_answer, rotate_dim_major, rotate_half, undo_rope
 from .selection import (
     latent_scores,
     mass_budget,
@@ -87,14 +87,12 @@ class LatentSelection:
     def _query_angles(self, end: int, q_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's tables of the step's query positions end - q_len .. end - 1; every layer of a step asks
         the same, so with static frequencies the last answer is kept on `rope`."""
-        key = (end, q_len, self.dtype, device)
-        memo = getattr(self.rope, "query_memo", None)
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        tables = self._rope(torch.arange(end - q_len, end, device=device))  # a host tensor would sync a GPU
-        if hasattr(self.rope, "rotary"):  # `model_rope_fn` found static frequencies
-            self.rope.query_memo = (key, tables)
-        return tables
+        def tables() -> tuple[torch.Tensor, torch.Tensor]:  # a host tensor of positions would sync a GPU
+            return self._rope(torch.arange(end - q_len, end, device=device))
+
+        if not hasattr(self.rope, "rotary"):  # frequencies that may change: no memo
+            return tables()
+        return last_answer(self.rope, "query_memo", (end, q_len, self.dtype, device), tables)
 
     def latent_step(self, qf: torch.Tensor, exact_logits: torch.Tensor, q_len: int,
                     scaling: float) -> LatentStep:
@@ -136,28 +134,31 @@ class LatentSelection:
         n = self._n
         forced = max(0, self.cfg.local_window - self._n_buf) if local else 0
         k = min(self.cfg.reconstruct_count(n), n - forced - self._n_out)
-        return min(k, self._token_cap(forced)), forced
+        room = self._token_room(forced)
+        return (k if room is None else min(k, room)), forced
 
     def selection_bounds(self, local: bool = True) -> tuple[int, int, int]:
         """(fewest, most, forced) tokens a step rebuilds: the fixed count, and with `recon_drop` up to
-        `recon_max` of the stored tokens (both within `recon_token_cap`)."""
+        `recon_max` of the stored tokens (`choose_tokens` holds both to `recon_token_cap`)."""
         k, forced = self.selection_size(local)
         if self.cfg.recon_drop is None:
             return k, k, forced
-        most = min(int(self.cfg.recon_ceiling() * self._n), self._token_cap(forced))
+        most = int(self.cfg.recon_ceiling() * self._n)
         return k, max(k, min(most, self._n - forced - self._n_out)), forced
 
-    def _token_cap(self, forced: int) -> int:
-        """The most top-k tokens `recon_token_cap` leaves besides the forced local window."""
+    def _token_room(self, forced: int) -> int | None:
+        """The most top-k tokens `recon_token_cap` leaves besides the forced local window (None: no limit)."""
         cap = self.cfg.token_cap()
-        return self._n if cap is None else max(0, cap - forced)
+        return None if cap is None else max(0, cap - forced)
 
     def choose_tokens(self, scores: torch.Tensor, probs: torch.Tensor | None,
                       bounds: tuple[int, int, int]) -> torch.Tensor:
         """Indices [G, k] of the stored tokens a step rebuilds, within `bounds` (`selection_bounds`, or
-        their sum over segments): the fixed count's top tokens, grown by `mass_budget` when the step kept
-        its rows' probabilities, and the forced local window."""
+        their sum over segments) held to `recon_token_cap`: the fixed count's top tokens, grown by
+        `mass_budget` when the step kept its rows' probabilities, and the forced local window."""
         k, k_max, forced = bounds
+        if (room := self._token_room(forced)) is not None:  # the cap is the layer's, over every segment
+            k, k_max = min(k, room), min(k_max, room)
         if k_max <= k or probs is None:
             return select_tokens(scores, k, forced)
         ranked = ranked_candidates(scores, k_max, forced)  # one top-k serves the count and the choice

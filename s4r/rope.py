@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # (positions [n]) -> (cos [n, head_dim], sin [n, head_dim]); built from the model's own rotary module so
 # every RoPE variant (llama3, yarn, dynamic ...) is handled by transformers itself.
@@ -129,20 +132,27 @@ def chunk_rotations(rope: RopeFn, stored: int, chunk: int,
     """Chunked expected-logit scoring of `stored` un-rotated keys, the last of them `last` positions
     before the query (token j at distance last - j): (chunk bounds, cos [C, d], sin [C, d]), each chunk's
     `mean_rotation`. The same for every layer of a step, so the last answer is kept on `rope`."""
-    key = (stored, chunk, last)
-    memo = getattr(rope, "chunk_memo", None)
-    if memo is not None and memo[0] == key:
-        return memo[1]
-    bounds = [*range(0, stored, chunk), stored]
-    rotary = getattr(rope, "rotary", None)
-    result = None
-    if rotary is not None:
+    def compute() -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        rotary = getattr(rope, "rotary", None)
+        if rotary is None:
+            return None
         # on the rotary's device: a tensor copied from the host would wait for a GPU's queue every step
         starts = torch.arange(0, stored, chunk, device=rotary.inv_freq.device)
         ends = (starts + chunk).clamp_max(stored)
         mean = mean_rotation(rope, last - (ends - 1), last - starts)
-        result = None if mean is None else (bounds, *mean)
-    rope.chunk_memo = (key, result)  # type: ignore[attr-defined]
+        return None if mean is None else ([*range(0, stored, chunk), stored], *mean)
+
+    return last_answer(rope, "chunk_memo", (stored, chunk, last), compute)
+
+
+def last_answer(holder: object, name: str, key: tuple, compute: Callable[[], T]) -> T:
+    """`compute()`, or the answer kept in `holder.name` when it was for the same `key`: what every layer of
+    a decode step asks again (the step's rotations), kept once on the shared rope function."""
+    memo = getattr(holder, name, None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    result = compute()
+    setattr(holder, name, (key, result))
     return result
 
 

@@ -115,9 +115,6 @@ class SegmentedLayer(CacheLayer):
         bounds = [s.selection_bounds(local=s is self.last) for s in self.segments]
         # the local window is the last segment's tail, which is the concatenation's tail
         total_bounds = (sum(b[0] for b in bounds), sum(b[1] for b in bounds), bounds[-1][2])
-        if (cap := self.last.cfg.token_cap()) is not None:  # the cap is the layer's, not each segment's
-            room = max(0, cap - total_bounds[2])
-            total_bounds = (min(total_bounds[0], room), min(total_bounds[1], room), total_bounds[2])
         joined = torch.cat(scores, dim=-1)
         # the rows' probabilities are normalized over every segment, so they concatenate
         probs = None if any(st.probs is None for st in steps) else torch.cat([st.probs for st in steps], -1)
