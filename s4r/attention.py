@@ -28,6 +28,17 @@ _active = threading.local()
 # Not on CUDA: its kernels run one block per head and query block, so folding a decode step's query
 # heads into one row block per KV head leaves most of the GPU idle (BENCHMARKS.md, GPU run).
 FOLD_MAX_QUERY = 16
+# Folded bf16 steps over at least this many keys run as two matrix products per head around an fp32
+# softmax (transformers' eager arithmetic) instead of SDPA: oneDNN's bf16 products are about 4x its fp32
+# ones on this CPU (AVX512-BF16). 30 layers of SmolLM2's shape, one thread: 1.15x SDPA's speed at 2k keys,
+# 1.63x at 7.6k, 2.23x at 32k, 0.88x at 1k (docs/round10/kernel-microbench.md); a whole decode step of
+# the model measured 0.94x at 2k (the per-head products' dispatch) and 1.05x at 4k. fp32 and fp16 gain
+# nothing, so they stay on SDPA.
+MATMUL_MIN_KEYS = 3072
+# oneDNN builds a bf16 product's kernel per shape (0.4-0.6 ms, more than the product at a few thousand
+# keys), and a decode step's key count grows by one: a cache that can hand over spare rows (`room`) is
+# attended over a key count rounded up to this bucket, its extra keys masked, so one shape serves many steps
+KEY_BUCKET = 256
 
 
 def handoff(layer, keys: torch.Tensor) -> None:
@@ -102,13 +113,18 @@ def unfold_heads(out: torch.Tensor, q_heads: int) -> torch.Tensor:
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     prefix: int | None = None) -> torch.Tensor:
+                     prefix: int | None = None, sdpa_only: bool = False,
+                     room: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Exact SDPA where the last `q` keys are the queries' own tokens (bottom-right causal alignment).
 
     `prefix` keys before the causal part are visible to every query (defaults to all older keys).
     query [B, Hq, q, d]; key/value [B, H, S, d] with H dividing Hq. Returns [B, Hq, q, d].
     On CPU, short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem
-    per KV head, the same arithmetic as `enable_gqa` without its slow path.
+    per KV head, the same arithmetic as `enable_gqa` without its slow path; in bf16 over many keys as
+    two matrix products (`matmul_attention`, see MATMUL_MIN_KEYS) unless `sdpa_only` (the full cache of
+    rounds 5-9, a reference row of the speed table). `room`: the key and value buffers `key` and `value`
+    are the front of, whose rows past them hold finite values (zeros, or forgotten tokens); the products
+    then run over a bucketed key count (KEY_BUCKET) with the extra keys masked, the same attention.
     """
     q_heads, q_len, s_len = query.shape[1], query.shape[-2], key.shape[-2]
     kv_heads = key.shape[1]
@@ -119,9 +135,43 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     mask = causal_mask(q_len, s_len, prefix, query.device)
     if mask is not None:
         mask = mask.repeat(q_heads // kv_heads, 1)  # row j*q + i is query position i
-    out = F.scaled_dot_product_attention(fold_heads(query, kv_heads), key, value, attn_mask=mask,
-                                         scale=scaling)
+    folded = fold_heads(query, kv_heads)
+    if query.dtype == torch.bfloat16 and s_len >= MATMUL_MIN_KEYS and not sdpa_only:
+        if room is not None:
+            width = min(room[0].shape[-2], -(-s_len // KEY_BUCKET) * KEY_BUCKET)
+            key, value = room[0][..., :width, :], room[1][..., :width, :]
+        out = matmul_attention(folded, key, value, scaling, mask, valid=s_len)
+    else:
+        out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return unfold_heads(out, q_heads)
+
+
+def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                     mask: torch.Tensor | None = None, valid: int | None = None) -> torch.Tensor:
+    """Exact attention as transformers' eager path computes it: logits in the inputs' dtype (fp32
+    accumulation), softmax in fp32, probabilities back in the inputs' dtype times the values.
+    query [B, H, M, d], key/value [B, H, S, d] (one KV head per query row block), mask [M, valid]
+    boolean (True = visible) or None; keys from `valid` on (default S) are padding, masked out (their
+    values must be finite). Returns [B, H, M, d].
+
+    One 2-D product per head: a cache's keys are a view of a larger buffer, and a batched product over
+    such a view copies it first (slower than SDPA at 7.6k keys; per head: 1.6x faster)."""
+    b, h, m, _ = query.shape
+    logits = query.new_empty(b, h, m, key.shape[-2])
+    for i in range(b):
+        for j in range(h):
+            torch.matmul(query[i, j], key[i, j].T, out=logits[i, j])
+    logits = logits.float().mul_(scaling)
+    valid = key.shape[-2] if valid is None else valid
+    if mask is not None:
+        logits[..., :valid].masked_fill_(~mask, float("-inf"))
+    logits[..., valid:] = float("-inf")
+    probs = torch.softmax(logits, dim=-1).to(value.dtype)
+    out = query.new_empty(b, h, m, value.shape[-1])
+    for i in range(b):
+        for j in range(h):
+            torch.matmul(probs[i, j], value[i, j], out=out[i, j])
+    return out
 
 
 class _Plain:

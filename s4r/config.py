@@ -102,6 +102,12 @@ class S4RConfig:
     # 0.36x the full cache's speed uncapped, 1.20x with 2,048; answer NLL at 7.6k, where it binds, +0.009
     # and +0.000 on two books; docs/notes-round9.md). ShadowKV keeps a fixed token budget too
     recon_token_cap: int | None = None
+    # the dtype a pre-RoPE step rebuilds the selected keys in: "model" (a bf16 model's bf16, or the model's
+    # dtype on a GPU: one product over the decoded coefficients, keys rounded as the model's own are; a
+    # layer's rebuilt logits took 0.6x the fp32 time on this CPU) or "float32" (rounds 6-9: fp32 products
+    # through byte planes). Answer NLL against float32, tuning book, n=32: -0.001 [-0.005, +0.003]
+    # (docs/notes-round10.md)
+    rebuild_dtype: Literal["model", "float32"] = "model"
     top_k: int | None = None
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
@@ -150,6 +156,8 @@ class S4RConfig:
             raise ValueError("recon_max must be in (0, 1] (or None for 2/ratio)")
         if self.recon_token_cap is not None and self.recon_token_cap < 0:
             raise ValueError("recon_token_cap must be >= 0 (0: no limit, None: 10240/ratio)")
+        if self.rebuild_dtype not in ("model", "float32"):
+            raise ValueError(f"rebuild_dtype must be model or float32, got {self.rebuild_dtype!r}")
         if self.rope_chunk < 0:
             raise ValueError("rope_chunk must be >= 0 (0: one chunk)")
         if self.rope_scoring not in ("aligned", "expected"):

@@ -95,6 +95,7 @@ class FullLayer(CacheLayer):
         super().__init__()
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self._handed: torch.Tensor | None = None  # the keys the last update returned
 
     @classmethod
     def from_staged(cls, layer: FullLayer) -> FullLayer:
@@ -116,8 +117,9 @@ class FullLayer(CacheLayer):
         if self._k is None or n + q > self._k.shape[-2]:
             cap = max(n + q, 2 * (0 if self._k is None else self._k.shape[-2]), 256)
             shape = (*key_states.shape[:2], cap, key_states.shape[-1])
-            k = key_states.new_empty(shape)
-            v = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
+            # zeros, not empty: the spare rows are read as masked padding (`causal_attention`'s room)
+            k = key_states.new_zeros(shape)
+            v = value_states.new_zeros((*value_states.shape[:2], cap, value_states.shape[-1]))
             if n:
                 k[:, :, :n] = self._k[:, :, :n]
                 v[:, :, :n] = self._v[:, :, :n]
@@ -125,12 +127,14 @@ class FullLayer(CacheLayer):
         self._k[:, :, n : n + q] = key_states
         self._v[:, :, n : n + q] = value_states
         self.logical = n + q
-        keys = self.keys_view
+        keys = self._handed = self.keys_view
         handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.values_view
 
     def attend(self, query, key, value, scaling):
-        return causal_attention(query, key, value, scaling)
+        # `key` is the front of this layer's buffer: its spare rows may pad the key count
+        room = None if key is not self._handed else (self._k, self._v)
+        return causal_attention(query, key, value, scaling, room=room)
 
     def stored_length(self) -> int:
         return self.logical

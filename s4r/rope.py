@@ -78,9 +78,13 @@ def half_angles(rope: RopeFn, positions: torch.Tensor,
     if rotary is not None:
         offset = getattr(rope, "offset", 0)
         if upto is not None:
-            cos, sin = angle_table(rotary, upto + offset)
             flat = positions.reshape(-1) + offset if offset else positions.reshape(-1)
-            return cos.index_select(1, flat), sin.index_select(1, flat)
+            # whole rows of a position-major copy (cos | sin of one position, contiguous), then one
+            # transpose: gathering the dimension-major table's columns touched every row's cache lines
+            # (about 3x slower in a decode step)
+            rows = angle_rows(rotary, upto + offset).index_select(0, flat).T.contiguous()
+            half = rows.shape[0] // 2
+            return rows[:half], rows[half:]
         inv = rotary.inv_freq.float()
         angles = inv[:, None] * (positions + offset).to(inv.device, torch.float32)[None, :]
         scale = float(rotary.attention_scaling)
@@ -102,6 +106,17 @@ def angle_table(rotary, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         memo = (inv, scale, angles.cos().mul_(scale), angles.sin().mul_(scale))
         rotary.s4r_angle_table = memo
     return memo[2], memo[3]
+
+
+def angle_rows(rotary, upto: int) -> torch.Tensor:
+    """`angle_table` position-major: fp32 [P, d] rows (cos of the d/2 frequencies, then sin), the same
+    values, kept on `rotary` beside the table it copies."""
+    cos, sin = angle_table(rotary, upto)
+    memo = getattr(rotary, "s4r_angle_rows", None)
+    if memo is None or memo[0] is not cos:
+        memo = (cos, torch.cat([cos, sin]).T.contiguous())
+        rotary.s4r_angle_rows = memo
+    return memo[1]
 
 
 def mean_rotation(rope: RopeFn, first: torch.Tensor,

@@ -69,6 +69,68 @@ def byte_planes(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> tor
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def plane_order(plan: BandPlan) -> tuple[int, ...]:
+    """The lower-band code (0 .. w-1, w = rank - lead) that each row of `decode_planar` holds: band by
+    band, shift by shift, byte by byte (byte j of a b-bit band holds its codes j * 8/b + shift)."""
+    order: list[int] = []
+    col = 0
+    for bits, width in plan.tails:
+        nbytes, per = width * bits // 8, 8 // bits
+        order += [col + j * per + shift for shift in range(per) for j in range(nbytes)]
+        col += width
+    return tuple(order)
+
+
+def decode_planar(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan,
+                  out: torch.Tensor) -> torch.Tensor:
+    """The lower bands of packed codes [B, k, bytes] (steps [B, k, bands]) decoded token axis last into
+    `out` [B, w, k] (any float dtype), rows in `plane_order`: one mask or shift per plane and one fused
+    (code - offset) * step per band, all along contiguous rows, each value rounded once to `out`'s dtype
+    (what `decode_tails` gives, rows reordered)."""
+    batch, k, _ = codes.shape
+    planes = codes.transpose(1, 2).contiguous()  # [B, bytes, k]: every op below reads contiguous rows
+    unpacked = codes.new_empty(batch, plan.rank - plan.lead, k)
+    # [B, bands, k] fp32: a strided operand halves the speed of the products
+    step_rows = steps.transpose(1, 2).float().contiguous()
+    col = at = 0
+    for band, (bits, width) in enumerate(plan.tails):
+        nbytes, per, mask = width * bits // 8, 8 // bits, (1 << bits) - 1
+        src = planes[:, at : at + nbytes]
+        for shift in range(per):
+            dst = unpacked[:, col + shift * nbytes : col + (shift + 1) * nbytes]
+            if shift == 0:
+                torch.bitwise_and(src, mask, out=dst)
+            else:
+                torch.bitwise_right_shift(src, shift * bits, out=dst)
+                if shift + 1 < per:  # the top code needs no mask
+                    dst.bitwise_and_(mask)
+        step = step_rows[:, band : band + 1]
+        offset = (1 << bits) / 2 - 0.5  # mid-rise levels (code - offset) * step
+        torch.addcmul(step * -offset, unpacked[:, col : col + width], step, out=out[:, col : col + width])
+        at += nbytes
+        col += width
+    return out
+
+
+def planar_basis(blocks: torch.Tensor, plan: BandPlan) -> torch.Tensor:
+    """blocks [H, d, rank] with the lower bands' columns in `plane_order`: what multiplies [lead rows;
+    `decode_planar`'s rows] into the decoded keys."""
+    lead = plan.lead
+    order = torch.arange(plan.rank, device=blocks.device)
+    order[lead:] = torch.tensor(plane_order(plan), device=blocks.device) + lead
+    return blocks.index_select(-1, order)
+
+
+def gather_token_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The rows `idx` [B, k] of a per-token store [G, N, x] (G = 1: one layer basis, shared by the B
+    token sets): [B, k, x]."""
+    if rows.shape[0] == 1:
+        # explicit widths: idx may be empty
+        return rows[0].index_select(0, idx.reshape(-1)).view(*idx.shape, rows.shape[-1])
+    return torch.gather(rows, 1, idx.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+
+
 def _batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [H, M, x] times b [H or 1, x, y] (1: shared by every head): [H, M, y]."""
     if b.shape[0] == 1 and a.shape[0] != 1:
@@ -89,15 +151,7 @@ class PlanarTail:
                plan: BandPlan) -> PlanarTail:
         """The tokens `idx` [B, k] of stored codes [G, N, bytes] and steps [G, N, bands] (G = 1: one
         layer basis; B = 1: one token set for every head)."""
-        if codes.shape[0] == 1:
-            flat = idx.reshape(-1)
-            # explicit widths: idx may be empty
-            codes = codes[0].index_select(0, flat).view(*idx.shape, codes.shape[-1])
-            steps = steps[0].index_select(0, flat).view(*idx.shape, steps.shape[-1])
-        else:
-            codes = torch.gather(codes, 1, idx.unsqueeze(-1).expand(-1, -1, codes.shape[-1]))
-            steps = torch.gather(steps, 1, idx.unsqueeze(-1).expand(-1, -1, steps.shape[-1]))
-        return cls(byte_planes(codes, steps, plan), plan)
+        return cls(byte_planes(gather_token_rows(codes, idx), gather_token_rows(steps, idx), plan), plan)
 
     def logits(self, q_tail: torch.Tensor) -> torch.Tensor:
         """q_tail [H, M, w] (the query's lower-band coefficients) dotted with each token's decoded lower

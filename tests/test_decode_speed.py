@@ -6,7 +6,16 @@ from types import SimpleNamespace
 
 import torch
 
-from s4r.bench.decode_speed import PLAIN, make_forks, markdown, measure, method_spec, staged_cache, tiled
+from s4r.bench.decode_speed import (
+    PLAIN,
+    SDPA_FULL,
+    make_forks,
+    markdown,
+    measure,
+    method_spec,
+    staged_cache,
+    tiled,
+)
 from s4r.generation import forward_tokens
 from s4r.rope import model_rope_fn
 from tests.helpers import CharTokenizer, tiny_model
@@ -27,14 +36,16 @@ def test_every_fork_decodes_and_the_exact_ones_agree(monkeypatch):
     with torch.inference_mode():
         staged = staged_cache(loaded.model, ids[:900], chunk_size=128)
         forks = make_forks(loaded.model, staged, [("s4r", 2.5)])
-        assert [f.name for f in forks] == ["full", "s4r 2.5", PLAIN]
+        assert [f.name for f in forks] == ["full", "s4r 2.5", SDPA_FULL, PLAIN]
         logits = {f.name: [] for f in forks}
         for pos, token in enumerate(ids[900:], start=900):
             for fork in forks:
                 step = forward_tokens(loaded.model, fork.cache, torch.tensor([[token]]), pos)
                 logits[fork.name].append(step)
     # plain transformers (DynamicCache + sdpa) and the folded full cache are the same exact attention
-    torch.testing.assert_close(torch.stack(logits[PLAIN]), torch.stack(logits["full"]), atol=1e-4, rtol=1e-4)
+    for reference in (PLAIN, SDPA_FULL):
+        torch.testing.assert_close(torch.stack(logits[reference]), torch.stack(logits["full"]), atol=1e-4,
+                                   rtol=1e-4)
     assert forks[1].cache.ratio() > 2.2
     # only the reference row ran transformers' own attention: once per layer and step
     assert len(calls) == 20 * loaded.model.config.num_hidden_layers
@@ -55,7 +66,7 @@ def test_a_method_spec_carries_its_settings_into_the_fork():
 def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
     monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
     rows = measure(tiny_loaded(), [900], [("s4r", 2.5)], steps=3, warmup=1, log=lambda m: None)
-    assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (PLAIN, 3)]
+    assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (SDPA_FULL, 3), (PLAIN, 3)]
     assert rows[0].vs_full == 1.0 and all(r.median_ms > 0 for r in rows)
     assert "| 900 | s4r 2.5 |" in markdown(rows)
 
@@ -71,8 +82,8 @@ def test_lengths_past_the_prefill_tile_it(monkeypatch):
     seen = []
     rows = measure(tiny_loaded(), [900, 2000], [("s4r", 2.5)], steps=2, warmup=1, log=seen.append,
                    prefill_tokens=900)
-    assert [r.length for r in rows] == [900] * 3 + [2000] * 3
-    assert "2000 tokens: 900 prefilled and tiled" in seen[-4]
+    assert [r.length for r in rows] == [900] * 4 + [2000] * 4
+    assert "2000 tokens: 900 prefilled and tiled" in seen[-5]
 
 
 def test_layer_speed_times_every_kernel_on_one_layer():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from s4r.attention import causal_attention, causal_mask
+from s4r.attention import MATMUL_MIN_KEYS, causal_attention, causal_mask
 from s4r.coef_bands import decode_tails
 from s4r.compress import compress_layer
 from s4r.config import S4RConfig
@@ -30,11 +30,12 @@ def reference_gqa(query, key, value, scaling, prefix=None):
 @pytest.mark.parametrize("q_len", [1, 2, 5, 16])
 @pytest.mark.parametrize("prefix", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_folded_heads_equal_enable_gqa(q_len, prefix, dtype):
+@pytest.mark.parametrize("keys", [40, MATMUL_MIN_KEYS + 88])  # bf16 past the threshold: two products
+def test_folded_heads_equal_enable_gqa(q_len, prefix, dtype, keys):
     g = gen(q_len)
     query = torch.randn(1, HEADS * GROUP, q_len, DIM, generator=g).to(dtype)
-    key = torch.randn(1, HEADS, 40, DIM, generator=g).to(dtype)
-    value = torch.randn(1, HEADS, 40, DIM, generator=g).to(dtype)
+    key = torch.randn(1, HEADS, keys, DIM, generator=g).to(dtype)
+    value = torch.randn(1, HEADS, keys, DIM, generator=g).to(dtype)
     got = causal_attention(query, key, value, 0.3, prefix=prefix)
     expected = reference_gqa(query, key, value, 0.3, prefix)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -244,3 +245,25 @@ def test_the_cast_route_for_int8_coefficients_matches_the_int8_matmul(monkeypatc
     exact = latent_logits(q_lat, coef.float(), scale, 0.5)
     for got in (fast, cast):
         assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
+
+
+def test_a_full_layer_attends_over_bucketed_spare_rows_exactly():
+    """A bf16 decode step over many keys runs on a key count rounded up into the layer's spare rows;
+    whatever those rows hold (forgotten tokens, here large values) is masked out: SDPA's attention."""
+    from s4r.attention import KEY_BUCKET
+    from s4r.layers import FullLayer
+
+    g = gen(3)
+    layer = FullLayer()
+    n = MATMUL_MIN_KEYS + 100
+    layer.update(torch.randn(1, HEADS, n, DIM, generator=g).bfloat16(),
+                 torch.randn(1, HEADS, n, DIM, generator=g).bfloat16())
+    keys, values = layer.update(torch.randn(1, HEADS, 1, DIM, generator=g).bfloat16(),
+                                torch.randn(1, HEADS, 1, DIM, generator=g).bfloat16())
+    assert layer._k.shape[2] >= -(-(n + 1) // KEY_BUCKET) * KEY_BUCKET > n + 1  # room to pad into
+    layer._k[:, :, n + 1 :] = 50.0
+    layer._v[:, :, n + 1 :] = 1e4
+    query = torch.randn(1, HEADS * GROUP, 1, DIM, generator=g).bfloat16()
+    got = layer.attend(query, keys, values, DIM**-0.5)
+    expected = causal_attention(query, keys, values, DIM**-0.5, sdpa_only=True)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

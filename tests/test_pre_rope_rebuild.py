@@ -3,6 +3,8 @@ half-angle tables, against the plain reference (decoded rows times the basis, `a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -81,22 +83,30 @@ def test_dimension_major_rotation_is_apply_rope():
     torch.testing.assert_close(got.transpose(1, 2), expected, rtol=1e-5, atol=1e-6)
 
 
+def pre_rope_layer(seed: int, total: int, granularity: str, bands: str | None, shared: bool,
+                   dtype: torch.dtype = torch.float32):
+    """(layer, rope, cfg): a pre-RoPE layer of 2 KV heads x 16 over `total` low-rank random keys, handed
+    over post-RoPE as the model does, in `dtype`."""
+    torch.manual_seed(seed)
+    rope = rope_of()
+    heads, dim = 2, 16
+    mix = torch.randn(heads * dim, heads * dim) * torch.linspace(3.0, 0.1, heads * dim)
+    keys = (torch.randn(total, heads * dim) @ mix.T).view(total, heads, dim).transpose(0, 1).contiguous()
+    cos, sin = rope(torch.arange(total))
+    keys = apply_rope(keys, cos, sin).to(dtype)
+    values = torch.randn(heads, total, dim).to(dtype)
+    rank = 12 if granularity == "head" else 24
+    cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, key_space="pre_rope", granularity=granularity,
+                    coef_bands=bands, outlier_fraction=0.0, shared_selection=shared)
+    return compress_layer(keys, values, None, cfg, rank, rank, rope), rope, cfg
+
+
 @pytest.mark.parametrize("granularity", ["layer", "head"])
 @pytest.mark.parametrize("bands", [None, "8:2,4:3,2:3", "8:1,4:7"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_rebuilt_keys_and_logits_match_the_row_reference(granularity, bands, shared):
-    torch.manual_seed(0)
-    rope = rope_of()
-    heads, total, dim = 2, 260, 16
-    mix = torch.randn(heads * dim, heads * dim) * torch.linspace(3.0, 0.1, heads * dim)
-    keys = (torch.randn(total, heads * dim) @ mix.T).view(total, heads, dim).transpose(0, 1).contiguous()
-    cos, sin = rope(torch.arange(total))
-    keys = apply_rope(keys, cos, sin)  # what the model hands over: post-RoPE keys
-    values = torch.randn(heads, total, dim)
-    rank = 12 if granularity == "head" else 24
-    cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, key_space="pre_rope", granularity=granularity,
-                    coef_bands=bands, outlier_fraction=0.0, shared_selection=shared)
-    layer = compress_layer(keys, values, None, cfg, rank, rank, rope)
+    layer, rope, _ = pre_rope_layer(0, 260, granularity, bands, shared)
+    heads, dim = 2, 16
     n = layer._n
     idx = torch.randperm(n)[:50].sort().values[None]
     if not shared:
@@ -174,3 +184,34 @@ def test_chunked_logits_are_each_chunks_own_latent_logits(dtype, groups, stored,
         expected = latent_logits(queries[c], coef_t[..., lo:hi], scale[:, lo:hi], 0.25)
         # int8 queries (CPU int8 path) and bf16 products (the batched path) round alike: ~1%
         torch.testing.assert_close(out[..., lo:hi], expected, rtol=0.02, atol=0.02 * expected.abs().max())
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@pytest.mark.parametrize("bands", [None, "8:2,4:3,2:3"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_bf16_rebuild_matches_the_fp32_reference_to_bf16_rounding(granularity, bands, shared):
+    """A bf16 layer rebuilds its keys in bf16 (decoded coefficients, one product); its logits agree with
+    the fp32 reference (decoded rows times the basis, `apply_rope`) to bf16's rounding, and
+    `rebuild_dtype="float32"` gives the fp32 path's logits."""
+    layer, rope, cfg = pre_rope_layer(1, 300, granularity, bands, shared, torch.bfloat16)
+    heads, dim = 2, 16
+    n = layer._n
+    sets = 1 if shared else heads
+    idx = torch.stack([torch.randperm(n)[:64].sort().values for _ in range(sets)])
+    rows = decoded_key_rows(layer, idx)
+    expected = torch.matmul(rows, head_blocks(layer.basis_k, heads).float().transpose(1, 2))  # [H, k, d]
+    c, s = rope(idx.reshape(-1) + layer.sinks)
+    rotated = apply_rope(expected.expand(heads, -1, -1), c.view(*idx.shape, -1), s.view(*idx.shape, -1))
+    qf = torch.randn(heads, 3, dim)
+    reference = torch.matmul(qf, rotated.transpose(1, 2)) * 0.25
+    assert layer.rebuild_dtype == torch.bfloat16
+    got = layer._rebuilt_key_logits(qf, idx, 0.25)
+    assert got.dtype == torch.float32 and got.shape == reference.shape
+    error = (got - reference).norm() / reference.norm()
+    assert 0 < error < 4e-3  # bf16's rounding of the keys (2^-8 relative per element at most)
+    layer.cfg = replace(cfg, rebuild_dtype="float32")
+    assert layer.rebuild_dtype == torch.float32
+    torch.testing.assert_close(layer._rebuilt_key_logits(qf, idx, 0.25), reference, rtol=1e-4, atol=1e-4)
+    none = torch.zeros(idx.shape[0], 0, dtype=torch.long)  # a segment given no token: empty, no error
+    layer.cfg = cfg
+    assert layer._rebuilt_key_logits(qf, none, 0.25).shape == (heads, 3, 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from s4r.coef_bands import decode_tails, encode_tails, plan_bands
-from s4r.tail_planes import PlanarTail, plane_map
+from s4r.tail_planes import PlanarTail, decode_planar, planar_basis, plane_map, plane_order
 
 
 @pytest.mark.parametrize(("rank", "spec"), [(96, "8:2,4:3,2:3"), (13, "8:1,4:3,2:4"), (64, "8:1,4:1"),
@@ -48,3 +48,25 @@ def test_no_selected_token_gives_empty_products():
     tail = PlanarTail.gather(codes, steps, torch.zeros(1, 0, dtype=torch.long), plan)
     assert tail.logits(torch.randn(3, 2, 32 - plan.lead)).shape == (3, 2, 0)
     assert torch.all(tail.weighted(torch.rand(3, 2, 0)) == 0)
+
+
+@pytest.mark.parametrize(("rank", "spec"), [(96, "8:2,4:3,2:3"), (13, "8:1,4:3,2:4"), (64, "8:1,4:1"),
+                                            (40, "8:1,2:1")])
+def test_planar_decoding_is_the_decoded_bands_in_plane_order(rank, spec):
+    """`decode_planar` holds `decode_tails`' values, token axis last, in `plane_order`, and the basis
+    reordered by `planar_basis` turns them into the same keys; every byte value decodes."""
+    g = torch.Generator().manual_seed(rank)
+    plan = plan_bands(rank, spec)
+    codes, steps = encode_tails(torch.randn(1, 300, rank, generator=g), plan, torch.bfloat16)
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8)[:, None]  # every byte at every position
+    width = rank - plan.lead
+    out = decode_planar(codes, steps, plan, torch.empty(1, width, 300))
+    reference = decode_tails(codes, steps, plan)  # [1, N, w]
+    order = list(plane_order(plan))
+    assert sorted(order) == list(range(width))
+    torch.testing.assert_close(out, reference[..., order].transpose(1, 2), rtol=0, atol=0)
+    blocks = torch.randn(2, 8, rank, generator=g)
+    lead = torch.randn(1, plan.lead, 300, generator=g)
+    keys = torch.matmul(planar_basis(blocks, plan), torch.cat([lead, out], dim=1))
+    expected = torch.matmul(blocks, torch.cat([lead, reference.transpose(1, 2)], dim=1))
+    torch.testing.assert_close(keys, expected, rtol=1e-5, atol=1e-5)

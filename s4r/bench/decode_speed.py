@@ -6,8 +6,9 @@
     python -m s4r.bench.decode_speed --device cuda --random-weights --quant 4bit -m llama-3.1-8b-instruct
 
 One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
-(s4r's exact cache; grouped heads folded on a CPU), each method at each ratio, and `transformers` (plain
-`DynamicCache` + sdpa, what an unmodified model runs) for reference. All forks decode the same tokens
+(s4r's exact cache; grouped heads folded on a CPU, bf16 steps as two matrix products), each method at
+each ratio, and for reference `full (sdpa)` (the same cache through SDPA, rounds 5-9's baseline) and
+`transformers` (plain `DynamicCache` + sdpa, what an unmodified model runs). All forks decode the same tokens
 one at a time in one interleaved loop (`teacher_force`), so a machine that speeds up or slows down
 affects every row alike; figures are median milliseconds per token and the ratio to `full`.
 """
@@ -24,11 +25,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from s4r.attention import handoff_plain, install
+from s4r.attention import causal_attention, handoff_plain, install
 from s4r.budget import KVShape
 from s4r.cache import CompressedCache
 from s4r.generation import prefill
-from s4r.layers import StagingLayer
+from s4r.layers import FullLayer, StagingLayer
 from s4r.methods import CompressContext, make_method
 from s4r.rope import model_rope_fn
 
@@ -36,6 +37,7 @@ from .config import parse_lengths
 from .speed import teacher_force
 
 PLAIN = "transformers"
+SDPA_FULL = "full (sdpa)"
 
 
 class PlainTransformersCache(DynamicCache):
@@ -49,6 +51,21 @@ class PlainTransformersCache(DynamicCache):
 
     def logical_length(self) -> int:
         return self.get_seq_length()
+
+
+class SdpaFullLayer(FullLayer):
+    """The exact full cache of rounds 5-9: grouped heads folded, SDPA at every length (the reference row
+    that shows what `matmul_attention` gained)."""
+
+    def attend(self, query, key, value, scaling):
+        return causal_attention(query, key, value, scaling, sdpa_only=True)
+
+
+def sdpa_full_fork(staged: CompressedCache) -> CompressedCache:
+    """A full-cache fork of `staged` whose layers attend through SDPA only (see `SdpaFullLayer`)."""
+    cache = staged.copy_staged()
+    cache.compress(lambda i, layer: SdpaFullLayer.from_staged(layer))
+    return cache
 
 
 @dataclass
@@ -135,6 +152,7 @@ def make_forks(model, staged: CompressedCache, combos: list[tuple[str, float]]) 
         name, overrides = method_spec(spec)
         make_method(name, ratio, overrides or None).compress(cache, CompressContext(rope, ratio))
         forks.append(Fork(spec if spec == "full" else f"{spec} {ratio:g}", model, device, cache, ratio))
+    forks.append(Fork(SDPA_FULL, model, device, sdpa_full_fork(staged)))
     forks.append(Fork(PLAIN, model, device, plain_fork(model, staged)))
     return forks
 

@@ -209,6 +209,9 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "drop0.01": {"recon_drop": 0.01},
     "drop0.02+max1": {"recon_drop": 0.02, "recon_max": 1.0},
     "recon0.5": {"recon_fraction": 0.5},
+    # (round 10) the selected keys rebuilt in the model's dtype (bf16: the default since) or, as in rounds
+    # 6-9, in fp32
+    "rebuild-fp32": {"rebuild_dtype": "float32"},
 }
 
 
