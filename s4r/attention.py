@@ -36,8 +36,8 @@ FOLD_MAX_QUERY = 16
 # nothing, so they stay on SDPA.
 MATMUL_MIN_KEYS = 3072
 # oneDNN builds a bf16 product's kernel per shape (0.4-0.6 ms, more than the product at a few thousand
-# keys), and a decode step's key count grows by one: a cache that can hand over spare rows (`room`) is
-# attended over a key count rounded up to this bucket, its extra keys masked, so one shape serves many steps
+# keys), and a decode step's key count grows by one: a cache hands over its spare rows up to a multiple
+# of this (`room`), attended with the extra keys masked, so one shape serves many steps
 KEY_BUCKET = 256
 
 
@@ -122,9 +122,9 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     On CPU, short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem
     per KV head, the same arithmetic as `enable_gqa` without its slow path; in bf16 over many keys as
     two matrix products (`matmul_attention`, see MATMUL_MIN_KEYS) unless `sdpa_only` (the full cache of
-    rounds 5-9, a reference row of the speed table). `room`: the key and value buffers `key` and `value`
-    are the front of, whose rows past them hold finite values (zeros, or forgotten tokens); the products
-    then run over a bucketed key count (KEY_BUCKET) with the extra keys masked, the same attention.
+    rounds 5-9, a reference row of the speed table). `room`: key and value views that extend `key` and
+    `value` with finite rows (a cache's spare capacity up to a KEY_BUCKET boundary); the products then
+    run over them with the extra keys masked, the same attention.
     """
     q_heads, q_len, s_len = query.shape[1], query.shape[-2], key.shape[-2]
     kv_heads = key.shape[1]
@@ -138,8 +138,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     folded = fold_heads(query, kv_heads)
     if query.dtype == torch.bfloat16 and s_len >= MATMUL_MIN_KEYS and not sdpa_only:
         if room is not None:
-            width = min(room[0].shape[-2], -(-s_len // KEY_BUCKET) * KEY_BUCKET)
-            key, value = room[0][..., :width, :], room[1][..., :width, :]
+            key, value = room
         out = matmul_attention(folded, key, value, scaling, mask, valid=s_len)
     else:
         out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention import causal_attention, handoff
+from .attention import KEY_BUCKET, causal_attention, handoff
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -96,12 +96,13 @@ class FullLayer(CacheLayer):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._handed: torch.Tensor | None = None  # the keys the last update returned
+        self._finite = 0  # rows of the buffers known to hold finite values (tokens, kept or forgotten)
 
     @classmethod
     def from_staged(cls, layer: FullLayer) -> FullLayer:
         """The same keys and values as `layer` (its storage, not a copy), without its recorded queries."""
         full = cls()
-        full._k, full._v, full.logical = layer._k, layer._v, layer.logical
+        full._k, full._v, full.logical, full._finite = layer._k, layer._v, layer.logical, layer._finite
         return full
 
     @property
@@ -117,24 +118,36 @@ class FullLayer(CacheLayer):
         if self._k is None or n + q > self._k.shape[-2]:
             cap = max(n + q, 2 * (0 if self._k is None else self._k.shape[-2]), 256)
             shape = (*key_states.shape[:2], cap, key_states.shape[-1])
-            # zeros, not empty: the spare rows are read as masked padding (`causal_attention`'s room)
-            k = key_states.new_zeros(shape)
-            v = value_states.new_zeros((*value_states.shape[:2], cap, value_states.shape[-1]))
+            k = key_states.new_empty(shape)
+            v = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
             if n:
                 k[:, :, :n] = self._k[:, :, :n]
                 v[:, :, :n] = self._v[:, :, :n]
             self._k, self._v = k, v
+            self._finite = n  # the new buffer's spare rows are uninitialized
         self._k[:, :, n : n + q] = key_states
         self._v[:, :, n : n + q] = value_states
         self.logical = n + q
+        self._finite = max(self._finite, n + q)
         keys = self._handed = self.keys_view
         handoff(self, keys)  # the attention function gets no handle on the cache: name this layer to it
         return keys, self.values_view
 
     def attend(self, query, key, value, scaling):
-        # `key` is the front of this layer's buffer: its spare rows may pad the key count
-        room = None if key is not self._handed else (self._k, self._v)
-        return causal_attention(query, key, value, scaling, room=room)
+        return causal_attention(query, key, value, scaling, room=self._room(key))
+
+    def _room(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers from the front of `key` (the keys this layer handed over, else None) up to the
+        next KEY_BUCKET boundary within their capacity, every row finite: spare rows are zeroed the first
+        time a bucket reaches them (zeroing the whole capacity would make it all resident memory)."""
+        if key is not self._handed:
+            return None
+        width = min(self._k.shape[-2], -(-key.shape[-2] // KEY_BUCKET) * KEY_BUCKET)
+        if width > self._finite:
+            self._k[:, :, self._finite : width].zero_()
+            self._v[:, :, self._finite : width].zero_()
+            self._finite = width
+        return self._k[:, :, :width], self._v[:, :, :width]
 
     def stored_length(self) -> int:
         return self.logical
@@ -158,6 +171,7 @@ class FullLayer(CacheLayer):
         layer = cls(**meta)
         if "k" in state:
             layer._k, layer._v, layer.logical = state["k"], state["v"], state["k"].shape[-2]
+            layer._finite = layer.logical
         return layer
 
 

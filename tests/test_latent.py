@@ -248,8 +248,9 @@ def test_the_cast_route_for_int8_coefficients_matches_the_int8_matmul(monkeypatc
 
 
 def test_a_full_layer_attends_over_bucketed_spare_rows_exactly():
-    """A bf16 decode step over many keys runs on a key count rounded up into the layer's spare rows;
-    whatever those rows hold (forgotten tokens, here large values) is masked out: SDPA's attention."""
+    """A bf16 decode step over many keys runs on a key count rounded up into the layer's spare rows,
+    zeroed the first time they are read (they start uninitialized) or holding forgotten tokens: either
+    way masked out, SDPA's attention."""
     from s4r.attention import KEY_BUCKET
     from s4r.layers import FullLayer
 
@@ -260,10 +261,18 @@ def test_a_full_layer_attends_over_bucketed_spare_rows_exactly():
                  torch.randn(1, HEADS, n, DIM, generator=g).bfloat16())
     keys, values = layer.update(torch.randn(1, HEADS, 1, DIM, generator=g).bfloat16(),
                                 torch.randn(1, HEADS, 1, DIM, generator=g).bfloat16())
-    assert layer._k.shape[2] >= -(-(n + 1) // KEY_BUCKET) * KEY_BUCKET > n + 1  # room to pad into
-    layer._k[:, :, n + 1 :] = 50.0
-    layer._v[:, :, n + 1 :] = 1e4
+    width = -(-(n + 1) // KEY_BUCKET) * KEY_BUCKET
+    assert layer._k.shape[2] >= width > n + 1  # room to pad into
+    layer._k[:, :, n + 1 :] = float("nan")  # uninitialized capacity: zeroed before it is read
+    layer._v[:, :, n + 1 :] = float("nan")
     query = torch.randn(1, HEADS * GROUP, 1, DIM, generator=g).bfloat16()
-    got = layer.attend(query, keys, values, DIM**-0.5)
     expected = causal_attention(query, keys, values, DIM**-0.5, sdpa_only=True)
+    got = layer.attend(query, keys, values, DIM**-0.5)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert not layer._k[:, :, : width].isnan().any() and layer._k[:, :, width:].isnan().all()
+    layer.truncate(n - 10)  # forgotten tokens stay in the rows the next steps pad with
+    layer._v[:, :, n - 10 : width] = 1e4
+    keys, values = layer.update(keys[:, :, :1], values[:, :, :1])
+    expected = causal_attention(query, keys, values, DIM**-0.5, sdpa_only=True)
+    got = layer.attend(query, keys, values, DIM**-0.5)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
