@@ -98,11 +98,13 @@ class RankPlan:
         return self.full_bytes / self.planned_bytes
 
 
-def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int) -> RankPlan:
+def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int, spare_bytes: float = 0.0) -> RankPlan:
     """Largest ranks whose stored bytes, with a full buffer, stay within 1/ratio of the full cache.
 
     The buffer is counted full so a chat can always grow without breaking the ratio: once the buffer is
     full each new token costs only its coefficients, which the plan keeps below 1/ratio of a full token.
+    `spare_bytes` (per layer) may be spent on top of 1/ratio of these tokens: what earlier parts of the
+    layer left unspent under their own share (an appended document's segment, `s4r.segments`).
     """
     groups, width = group_shape(shape, cfg.granularity)
     stored = max(tokens - cfg.sinks, 0)
@@ -112,7 +114,7 @@ def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int) -> RankPlan:
         used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
         return RankPlan(rk, rv, tokens, used * shape.layers, full * shape.layers)
     assert cfg.ratio is not None
-    budget = full / cfg.ratio
+    budget = full / cfg.ratio + spare_bytes
     for total in range(2 * width, 1, -1):
         rk = min(width, max(1, round(total * cfg.key_share)))
         rv = min(width, total - rk)
@@ -121,8 +123,8 @@ def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int) -> RankPlan:
         used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
         if used <= budget:
             return RankPlan(rk, rv, tokens, used * shape.layers, full * shape.layers)
-    floor = lowrank_layer_bytes(shape, cfg, 1, 1, stored, cfg.buffer_tokens)
-    best = full / floor if floor else float("inf")
+    floor = lowrank_layer_bytes(shape, cfg, 1, 1, stored, cfg.buffer_tokens) - spare_bytes
+    best = full / floor if floor > 0 else float("inf")
     raise BudgetError(
         f"ratio {cfg.ratio:g} is not reachable for {tokens} tokens on this model "
         f"(at most {best:.2f}x with these settings; use a lower --ratio or a longer document)"

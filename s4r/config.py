@@ -128,6 +128,12 @@ class S4RConfig:
     # an appended text of at least this many tokens (a second document) gets bases of its own instead of
     # being folded into the first document's (`s4r.segments`); 0 folds every append
     segment_tokens: int = 1024
+    # what bytes a new segment's ranks may use: "layer" also spends what the earlier segments left under
+    # the ratio (the first document's room for new tokens, which the new last segment takes over, and
+    # rounding), so the layer keeps the ratio as a whole; "segment" (rounds 4-10) keeps 1/ratio of its own
+    # tokens, so two documents sat near x5.96 at 5x. Document 2's ranks went from 59/88 to 72/109 at 2k
+    # tokens each (docs/notes-round11.md)
+    segment_budget: Literal["layer", "segment"] = "layer"
 
     def __post_init__(self) -> None:
         if self.ratio is not None:
@@ -173,6 +179,8 @@ class S4RConfig:
                 parse_band_spec(spec)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
             raise ValueError("need 1 <= fold_tokens <= buffer_tokens")
+        if self.segment_budget not in ("layer", "segment"):
+            raise ValueError(f"segment_budget must be layer or segment, got {self.segment_budget!r}")
         if self.segment_tokens < 0:
             raise ValueError("segment_tokens must be >= 0 (0: appended text folds into the first bases)")
 

@@ -167,13 +167,26 @@ class SegmentedLayer(CacheLayer):
 
 
 def new_segment(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, shape: KVShape,
-                rope, start: int = 0) -> LowRankLayer:
+                rope, start: int = 0, spare_bytes: float = 0.0) -> LowRankLayer:
     """An appended text's keys/values [H, n, d] (post-RoPE, the first at position `start`) compressed
-    into a segment of its own: no sinks, bases fitted on it, ranks the budget allows for n tokens. Raises
-    BudgetError when the ratio cannot pay for its bases at this length."""
+    into a segment of its own: no sinks, bases fitted on it, ranks the budget allows for n tokens plus
+    `spare_bytes` (what the layer's earlier segments left unspent). Raises BudgetError when the ratio
+    cannot pay for its bases at this length."""
     seg_cfg = replace(cfg, sinks=0)
-    plan = solve_ranks(shape, seg_cfg, keys.shape[1])
+    plan = solve_ranks(shape, seg_cfg, keys.shape[1], spare_bytes)
     return compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, shifted(rope, start))
+
+
+def unspent_bytes(layer: CacheLayer, shape: KVShape, tokens: int) -> float:
+    """Bytes the layer's first `tokens` tokens may still take under the ratio, beyond what they hold with
+    the buffer emptied: the room their plan kept for a full buffer of new tokens (which a new last segment
+    takes over, with its own room) and the rank solver's rounding. A new segment may spend them, so two
+    documents keep the ratio together instead of each keeping it alone (round 10: x5.96 at 5x)."""
+    last = layer.last if isinstance(layer, SegmentedLayer) else layer
+    if last.cfg.ratio is None or last.cfg.segment_budget != "layer":  # explicit ranks: no budget to share
+        return 0.0
+    held = layer.nbytes() - last.buffered * shape.full_bytes_per_token()
+    return max(0.0, tokens * shape.full_bytes_per_token() / last.cfg.ratio - held)
 
 
 def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
@@ -192,7 +205,8 @@ def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
         start = layer.logical - last.buffered  # where the appended text begins
         base = getattr(last.rope, "base", last.rope)  # the model's own, not the last segment's shift
         try:
-            segment = new_segment(last.buf_k, last.buf_v, cfg, shape, base, start)
+            segment = new_segment(last.buf_k, last.buf_v, cfg, shape, base, start,
+                                  unspent_bytes(layer, shape, start))
         except BudgetError:
             segment = None
         if segment is not None:

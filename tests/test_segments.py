@@ -142,10 +142,10 @@ def model():
     return tiny_model("llama", num_hidden_layers=2)
 
 
-def _session(model, **overrides) -> Session:
+def _session(model, ratio: float = 2.5, **overrides) -> Session:
     loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="tiny", device="cpu",
                              dtype=torch.float32, context_length=4096)
-    return Session(loaded, method="s4r", ratio=2.5, config_overrides={"segment_tokens": 1024, **overrides})
+    return Session(loaded, method="s4r", ratio=ratio, config_overrides={"segment_tokens": 1024, **overrides})
 
 
 @pytest.mark.parametrize("ingest", ["layerwise", "chunked"])
@@ -239,3 +239,26 @@ def test_a_segment_may_rebuild_nothing():
     out = settled.attend(query, None, None, DIM**-0.5)
     assert settled.segments[0].selected.shape[1] == 0 and bool(out.isfinite().all())
     assert set(range(200, 280)) <= set(settled.segments[1].selected[0].tolist())
+
+
+def test_the_second_document_spends_what_the_first_left_under_the_ratio(model):
+    """`segment_budget="layer"`: document 1's room for new tokens (taken over by the new last segment) and
+    its rounding go to document 2's ranks, and the layer as a whole keeps the ratio, also after an answer
+    long enough to fold; "segment" keeps 1/ratio of each document's own tokens (rounds 4-10)."""
+    sessions = {}
+    for budget in ("layer", "segment"):
+        session = _session(model, ratio=5.0, segment_budget=budget)  # ranks below the width at 5x
+        session.ingest(DOC1)
+        session.ingest(DOC2)
+        sessions[budget] = session
+    shared, own = (sessions[b].cache.layers[0].segments for b in ("layer", "segment"))
+    assert shared[0].basis_k.shape == own[0].basis_k.shape  # document 1 is compressed alike
+    assert shared[1].basis_k.shape[-1] + shared[1].basis_v.shape[-1] > (
+        own[1].basis_k.shape[-1] + own[1].basis_v.shape[-1])
+    assert 5.0 <= sessions["layer"].cache.ratio() < sessions["segment"].cache.ratio()
+    session = sessions["layer"]
+    session.ask("Which shelf?", max_new_tokens=150)
+    assert session.cache.layers[0].segments[1].stored_coefs > 1190  # the answer was folded in
+    assert session.cache.ratio() >= 5.0
+    with pytest.raises(ValueError, match="segment_budget"):
+        S4RConfig(segment_budget="document")

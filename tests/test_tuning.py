@@ -7,7 +7,14 @@ from types import SimpleNamespace
 import torch
 
 from s4r.bench.tasks import Sample
-from s4r.bench.tuning import TUNING_VARIANTS, VariantResult, answer_nll, compare_variants, perplexity_gaps
+from s4r.bench.tuning import (
+    TUNING_VARIANTS,
+    VariantResult,
+    answer_fit,
+    answer_nll,
+    compare_variants,
+    perplexity_gaps,
+)
 from s4r.session import Session
 from tests.helpers import CharTokenizer
 from tests.test_methods import model_for
@@ -44,6 +51,33 @@ def test_answer_nll_is_the_teacher_forced_loss_and_leaves_the_cache_as_it_was():
     logp = torch.log_softmax(out.logits[0, len(prompt) - 1 : -1].float(), dim=-1)
     expected = -logp.gather(1, torch.tensor(answer)[:, None]).mean().item()
     assert abs(nll - expected) < 1e-4
+    # the greedy margin: per answer token before the full stop, the reference's log-probability minus the
+    # best other token's; the smallest of them
+    margins = []
+    for row, token in zip(logp[:-1], answer[:-1], strict=True):
+        others = torch.cat([row[:token], row[token + 1 :]])
+        margins.append((row[token] - others.max()).item())
+    fit = answer_fit(session, sample)
+    assert fit.nll == nll and abs(fit.margin - min(margins)) < 1e-4
+
+
+def test_the_chat_margin_is_measured_after_the_other_question_and_leaves_the_documents():
+    from s4r.bench.two_documents import chat_fit
+
+    loaded = _loaded()
+    first = Sample("niah_single_noise", "The grass is green. " * 20, "What colour?", ["green"], "all", None,
+                   "The colour is")
+    second = Sample("niah_single_noise", "", "What shape?", ["round"], "all", None, "The shape is")
+    session = Session(loaded, method="full")
+    session.ingest(first.context)
+    before = session.logical_length
+    fit = chat_fit(session, first, second)
+    assert session.logical_length == before and session.ask("x", max_new_tokens=1)  # still usable
+    session.clear()
+    # by hand: the first question answered with its reference, as a turn, then the second's fit
+    session.ask(first.question, prime=f"{first.answer_prefix} green.", max_new_tokens=0)
+    assert session.logical_length > before
+    assert answer_fit(session, second) == fit
 
 
 def test_compare_variants_pairs_every_variant_with_the_full_cache():

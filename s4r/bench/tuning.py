@@ -24,9 +24,24 @@ from s4r.errors import BudgetError
 from s4r.session import Session
 
 
-def answer_nll(session: Session, sample: Sample, stepwise: bool = True) -> float:
-    """Mean NLL (nats per token) of the sample's reference answer after its question, through the
-    session's cache; the cache is truncated back afterwards, so the session can be reused.
+@dataclass(frozen=True)
+class AnswerFit:
+    """How well a cache predicts a sample's reference answer, teacher-forced after its question.
+
+    nll: mean negative log-likelihood per answer token (nats); margin: the smallest, over the answer's
+    tokens before its closing full stop, of the reference token's log-probability minus the best other
+    token's. Greedy decoding copies the reference exactly when every such margin is positive, so the
+    margin is a continuous stand-in for a 0/100 greedy score (a dropped digit or the other document's
+    number shows as a negative margin while the mean NLL barely moves).
+    """
+
+    nll: float
+    margin: float
+
+
+def answer_fit(session: Session, sample: Sample, stepwise: bool = True) -> AnswerFit:
+    """NLL and greedy margin (`AnswerFit`) of the sample's reference answer after its question, through
+    the session's cache; the cache is truncated back afterwards, so the session can be reused.
 
     `stepwise`: the question goes in as one chunk and the answer one token at a time, as generation
     feeds it (a compressed cache chooses the tokens it rebuilds per step, so a chunk of answer rows
@@ -48,9 +63,20 @@ def answer_nll(session: Session, sample: Sample, stepwise: bool = True) -> float
             logits.append(out.logits[0].float())
             pos += len(chunk)
         logp = torch.log_softmax(torch.cat(logits), dim=-1)
-        nll = -logp.gather(1, torch.tensor(answer, device=logp.device).unsqueeze(1)).mean().item()
+        target = torch.tensor(answer, device=logp.device).unsqueeze(1)
+        right = logp.gather(1, target)[:, 0]
+        nll = -right.mean().item()
+        # the full stop is left out of the margin: an answer that goes on after the number still scores
+        body = max(1, len(answer) - 1)
+        rivals = logp[:body].scatter(1, target[:body], float("-inf")).amax(dim=-1)
+        margin = (right[:body] - rivals).min().item()
     session.cache.truncate(start)
-    return nll
+    return AnswerFit(nll, margin)
+
+
+def answer_nll(session: Session, sample: Sample, stepwise: bool = True) -> float:
+    """Mean NLL (nats per token) of the sample's reference answer after its question (see `answer_fit`)."""
+    return answer_fit(session, sample, stepwise).nll
 
 
 @dataclass
@@ -60,6 +86,7 @@ class VariantResult:
     name: str
     overrides: dict[str, Any]
     nll: list[float] = field(default_factory=list)
+    margin: list[float] = field(default_factory=list)  # greedy margins (`AnswerFit.margin`)
     ratio: list[float] = field(default_factory=list)
     compress_seconds: list[float] = field(default_factory=list)
     rebuilt: list[float] = field(default_factory=list)  # share of the stored tokens the answer rebuilt
@@ -102,15 +129,19 @@ def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks:
                     res.compress_seconds.append(math.nan)
                     res.ratio.append(math.nan)
                     res.nll.append(math.nan)
+                    res.margin.append(math.nan)
                     res.rebuilt.append(math.nan)
                     continue
                 res.compress_seconds.append(time.perf_counter() - t0)
                 res.ratio.append(fork.memory().ratio)
-                res.nll.append(answer_nll(fork, sample))
+                fit = answer_fit(fork, sample)
+                res.nll.append(fit.nll)
+                res.margin.append(fit.margin)
                 share = fork.cache.rebuilt_share()
                 res.rebuilt.append(math.nan if share is None else share)
             if note is not None:
-                note(f"{task} #{k + 1}: " + ", ".join(f"{n} {r.nll[-1]:.3f}" for n, r in results.items()))
+                note(f"{task} #{k + 1}: " + ", ".join(f"{n} {r.nll[-1]:.3f} ({r.margin[-1]:+.2f})"
+                                                     for n, r in results.items()))
     return results
 
 
@@ -212,6 +243,9 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # (round 10) the selected keys rebuilt in the model's dtype (bf16: the default since) or, as in rounds
     # 6-9, in fp32
     "rebuild-fp32": {"rebuild_dtype": "float32"},
+    # (round 11) the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept
+    # exact as sinks: about half of the 1% outliers went to it. Measured as a wash (docs/notes-round11.md)
+    "sinks24": {"sinks": 24},
 }
 
 
@@ -298,11 +332,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     doc = {}
     for name, res in results.items():
         gap = res.gap(full)
+        copies = sum(m > 0 for m in res.margin)
         doc[name] = {"overrides": res.overrides, "nll": res.nll, "gap": gap.mean, "gap_low": gap.low,
-                     "gap_high": gap.high, "samples": gap.n, "ratio": sum(res.ratio) / len(res.ratio),
+                     "gap_high": gap.high, "samples": gap.n, "margin": res.margin, "margin_positive": copies,
+                     "ratio": sum(res.ratio) / len(res.ratio),
                      "compress_seconds": sum(res.compress_seconds) / len(res.compress_seconds),
                      "rebuilt": sum(res.rebuilt) / len(res.rebuilt) if res.rebuilt else math.nan}
         line = (f"{name:22s} answer NLL gap {gap.mean:+.3f} [{gap.low:+.3f}, {gap.high:+.3f}] n={gap.n}  "
+                f"margin > 0: {copies}/{len(res.margin)}  "
                 f"ratio {doc[name]['ratio']:.2f}  rebuilt {doc[name]['rebuilt']:.2f}  "
                 f"compress {doc[name]['compress_seconds']:.1f} s")
         if "default" in results and name not in ("full", "default"):
