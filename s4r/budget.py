@@ -63,13 +63,14 @@ def token_coef_bytes(cfg: S4RConfig, rank: int, dtype_bytes: int, values: bool =
 
 
 def lowrank_layer_bytes(shape: KVShape, cfg: S4RConfig, rank_k: int, rank_v: int, stored: int,
-                        buffer: int) -> int:
+                        buffer: int, shared: tuple[int, int] = (0, 0)) -> int:
     """Bytes of one S4R layer: sinks, bases, coefficients (+int8 scales), scoring state (query window or
-    relevance), outliers, buffer."""
+    relevance), outliers, buffer. The first `shared` (key, value) basis columns are stored by another
+    segment (an extended basis, `s4r.segments`) and not counted here."""
     groups, width = group_shape(shape, cfg.granularity)
     b = shape.dtype_bytes
     sinks = cfg.sinks * shape.full_bytes_per_token()
-    bases = groups * width * (rank_k + rank_v) * b
+    bases = groups * width * (rank_k - shared[0] + rank_v - shared[1]) * b
     per_token = token_coef_bytes(cfg, rank_k, b) + token_coef_bytes(cfg, rank_v, b, values=True)
     coefs = groups * stored * per_token
     qwin = shape.q_heads * cfg.query_window * plan_bands(rank_k, cfg.bands).lead * b
@@ -98,32 +99,36 @@ class RankPlan:
         return self.full_bytes / self.planned_bytes
 
 
-def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int, spare_bytes: float = 0.0) -> RankPlan:
+def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int, spare_bytes: float = 0.0,
+                shared: tuple[int, int] = (0, 0)) -> RankPlan:
     """Largest ranks whose stored bytes, with a full buffer, stay within 1/ratio of the full cache.
 
     The buffer is counted full so a chat can always grow without breaking the ratio: once the buffer is
     full each new token costs only its coefficients, which the plan keeps below 1/ratio of a full token.
     `spare_bytes` (per layer) may be spent on top of 1/ratio of these tokens: what earlier parts of the
-    layer left unspent under their own share (an appended document's segment, `s4r.segments`).
+    layer left unspent under their own share (an appended document's segment, `s4r.segments`). With
+    `shared` (key, value) columns, the basis extends one another segment stores: the ranks are at least
+    those and only the new columns' bytes count.
     """
     groups, width = group_shape(shape, cfg.granularity)
     stored = max(tokens - cfg.sinks, 0)
     full = shape.full_bytes_per_token() * tokens
     if cfg.rank_k is not None and cfg.rank_v is not None:
         rk, rv = min(cfg.rank_k, width), min(cfg.rank_v, width)
-        used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
+        used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens, shared)
         return RankPlan(rk, rv, tokens, used * shape.layers, full * shape.layers)
     assert cfg.ratio is not None
     budget = full / cfg.ratio + spare_bytes
-    for total in range(2 * width, 1, -1):
-        rk = min(width, max(1, round(total * cfg.key_share)))
-        rv = min(width, total - rk)
+    for total in range(2 * width, max(1, sum(shared) - 1), -1):
+        rk = min(width, max(1, shared[0], round(total * cfg.key_share)))
+        rv = min(width, max(shared[1], total - rk))
         if rv < 1:
             continue
-        used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens)
+        used = lowrank_layer_bytes(shape, cfg, rk, rv, stored, cfg.buffer_tokens, shared)
         if used <= budget:
             return RankPlan(rk, rv, tokens, used * shape.layers, full * shape.layers)
-    floor = lowrank_layer_bytes(shape, cfg, 1, 1, stored, cfg.buffer_tokens) - spare_bytes
+    floor = lowrank_layer_bytes(shape, cfg, max(1, shared[0]), max(1, shared[1]), stored, cfg.buffer_tokens,
+                                shared) - spare_bytes
     best = full / floor if floor > 0 else float("inf")
     raise BudgetError(
         f"ratio {cfg.ratio:g} is not reachable for {tokens} tokens on this model "

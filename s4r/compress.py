@@ -85,6 +85,35 @@ def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, ro
     return LayerBases(basis_k, basis_v, energy_k, energy_v)
 
 
+def _extended(sample: torch.Tensor, prefix: torch.Tensor, rank: int) -> torch.Tensor:
+    """`prefix` [G, width, p] (orthonormal) followed by the `rank - p` directions that best span what it
+    leaves of `sample` [G, n, width]: the top singular vectors of the sample's residual, orthogonalized
+    against the prefix once more for rounding."""
+    extra = rank - prefix.shape[-1]
+    if extra <= 0:
+        return prefix[..., :rank]
+    residual = sample - torch.matmul(torch.matmul(sample, prefix), prefix.transpose(1, 2))
+    new = fit_basis(residual, extra)
+    new = new - torch.matmul(prefix, torch.matmul(prefix.transpose(1, 2), new))
+    return torch.cat([prefix, torch.linalg.qr(new).Q], dim=-1)
+
+
+def extend_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                       prefix_k: torch.Tensor, prefix_v: torch.Tensor, rank_k: int,
+                       rank_v: int) -> LayerBases:
+    """Bases of rank `rank_k` / `rank_v` that begin with the given ones (another segment's, [G, width, p],
+    stored there) and add the directions the normalized hybrid sample of these tokens needs most: an
+    appended document's keys and values share most of their subspace with the first's (the model's), so
+    the new columns go to what is its own."""
+    stored = keys.shape[1] - min(cfg.sinks, keys.shape[1])
+    idx = hybrid_sample_indices(stored, cfg.sample_tokens, cfg.recent_share).to(keys.device)
+    k_sample, v_sample = compressible_parts(keys, values, cfg, rope, idx)
+    if cfg.normalize:
+        k_sample, v_sample = normalize_rows(k_sample), normalize_rows(v_sample)
+    return LayerBases(_extended(k_sample, prefix_k.float(), rank_k),
+                      _extended(v_sample, prefix_v.float(), rank_v))
+
+
 def _per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[G, N, width] basis-group vectors -> [H, N, d] per-head vectors (inverse of `to_groups`)."""
     if x.shape[0] == heads:

@@ -134,6 +134,13 @@ class S4RConfig:
     # tokens, so two documents sat near x5.96 at 5x. Document 2's ranks went from 59/88 to 72/109 at 2k
     # tokens each (docs/notes-round11.md)
     segment_budget: Literal["layer", "segment"] = "layer"
+    # a new segment's bases: "extend": the previous segment's columns (stored once, shared) followed by
+    # new ones fitted on what they leave of the new text; "own" (rounds 4-10): fitted on its tokens alone.
+    # An appended document's keys and values lie mostly in the first's subspace (the model's), so the bytes
+    # a basis of its own would cost buy rank: 72/109 -> 88/132 at 2k tokens. Held-out book, 32 pairs at
+    # 5x: document 2's needle 28 -> 32 of 32 (the full cache's 32), chat margin +0.38 [+0.23, +0.52]
+    # (docs/notes-round11.md)
+    segment_bases: Literal["own", "extend"] = "extend"
 
     def __post_init__(self) -> None:
         if self.ratio is not None:
@@ -179,6 +186,8 @@ class S4RConfig:
                 parse_band_spec(spec)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
             raise ValueError("need 1 <= fold_tokens <= buffer_tokens")
+        if self.segment_bases not in ("own", "extend"):
+            raise ValueError(f"segment_bases must be own or extend, got {self.segment_bases!r}")
         if self.segment_budget not in ("layer", "segment"):
             raise ValueError(f"segment_budget must be layer or segment, got {self.segment_budget!r}")
         if self.segment_tokens < 0:

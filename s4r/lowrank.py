@@ -60,6 +60,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         self.heads, self.sinks, self.head_dim = sink_k.shape
         self.dtype = sink_k.dtype
         self.basis_k, self.basis_v = basis_k, basis_v  # [G, width, r]
+        # leading basis columns another segment stores (an extended basis, `s4r.segments`): ours are views
+        # of the same storage, counted there
+        self.shared_k = self.shared_v = 0
         self.out_idx = out_idx  # [o] int32 indices into the coefficients, or None
         self._set_exact(sink_k, sink_v, out_k, out_v, sink_k[:, :0], sink_v[:, :0])
         n = coef_k.shape[1]
@@ -155,9 +158,14 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
     def nbytes(self) -> int:
         """Bytes of what the layer holds (spare capacity is allocator headroom, not cache content)."""
         e = self.exact_length
-        return tensor_bytes(self._ek[:, :e], self._ev[:, :e], self.basis_k, self.basis_v, self.coef_k,
+        return tensor_bytes(self._ek[:, :e], self._ev[:, :e], *self.own_bases(), self.coef_k,
                             self.coef_v, self.scale_k, self.scale_v, self.query_coef, self.relevance,
                             self.out_idx, self.tail_k, self.tail_v, self.tail_step_k, self.tail_step_v)
+
+    def own_bases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value basis columns this layer stores itself (all of them unless it extends
+        another segment's)."""
+        return self.basis_k[..., self.shared_k :], self.basis_v[..., self.shared_v :]
 
     # --- coefficients <-> vectors -----------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,11 +361,15 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
 
     def meta_state(self) -> dict:
-        return {"config": self.cfg.to_dict()}
+        meta = {"config": self.cfg.to_dict()}
+        if self.shared_k or self.shared_v:
+            meta["shared"] = [self.shared_k, self.shared_v]
+        return meta
 
     @classmethod
     def from_state(cls, state, meta, *, rope=None) -> LowRankLayer:
         parts = {key: state.get(key) for key in cls._STATE if key not in ("buf_k", "buf_v")}
         layer = cls(cfg=S4RConfig(**meta["config"]), rope=rope, **parts)
+        layer.shared_k, layer.shared_v = meta.get("shared", (0, 0))
         layer.set_buffer(state["buf_k"], state["buf_v"])
         return layer

@@ -25,7 +25,7 @@ import torch
 
 from .attention import handoff
 from .budget import KVShape, solve_ranks
-from .compress import compress_layer
+from .compress import compress_layer, extend_layer_bases
 from .config import S4RConfig
 from .errors import BudgetError
 from .latent import merge_partial_attention
@@ -144,13 +144,21 @@ class SegmentedLayer(CacheLayer):
             starts.append(starts[-1] + segment.logical)
         # the segment the cut falls in becomes the last one (segment 0 stays, whatever is cut)
         keep = max(1, sum(1 for start in starts if start < logical))
-        del self.segments[keep:]
+        if keep < len(self.segments):
+            del self.segments[keep:]
+            share_bases(self.segments)  # the dropped segments' extra basis columns are freed
         self.last.truncate(logical - starts[keep - 1])
         self.logical = starts[keep - 1] + self.last.logical
 
     # --- persistence ------------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
-        return {f"{i}.{key}": t for i, s in enumerate(self.segments) for key, t in s.state().items()}
+        out = {}
+        for i, segment in enumerate(self.segments):
+            state = segment.state()
+            # an extended basis is saved as its own columns; loading puts the shared ones back in front
+            state["basis_k"], state["basis_v"] = (b.contiguous() for b in segment.own_bases())
+            out.update({f"{i}.{key}": t for key, t in state.items()})
+        return out
 
     def meta_state(self) -> dict[str, Any]:
         return {"segments": [s.meta_state() for s in self.segments]}
@@ -161,20 +169,65 @@ class SegmentedLayer(CacheLayer):
         for i, seg_meta in enumerate(meta["segments"]):
             prefix = f"{i}."
             own = {key[len(prefix):]: t for key, t in state.items() if key.startswith(prefix)}
+            shared_k, shared_v = seg_meta.get("shared", (0, 0))
+            if shared_k or shared_v:
+                if not segments or (segments[-1].basis_k.shape[-1], segments[-1].basis_v.shape[-1]) != (
+                        shared_k, shared_v):
+                    raise ValueError(f"segment {i} extends bases its predecessor does not have")
+                before = segments[-1]
+                own["basis_k"] = torch.cat([before.basis_k, own["basis_k"]], dim=-1)
+                own["basis_v"] = torch.cat([before.basis_v, own["basis_v"]], dim=-1)
             segments.append(LowRankLayer.from_state(own, seg_meta, rope=shifted(rope, start)))
             start += segments[-1].logical
+        share_bases(segments)
         return cls(segments)
 
 
+def share_bases(segments: list[LowRankLayer]) -> None:
+    """Store each run of extended bases once: in a run of segments each extending its predecessor's basis
+    (`shared_k`/`shared_v`), the last one's basis is the storage and every earlier one's a view of its
+    leading columns, so `nbytes` (each segment counting its own columns) is what memory holds."""
+    end = len(segments)
+    while end > 0:
+        first = end - 1
+        while first > 0 and (segments[first].shared_k or segments[first].shared_v):
+            first -= 1
+        last = segments[end - 1]
+        union_k, union_v = last.basis_k.clone(), last.basis_v.clone()
+        for segment in segments[first:end]:
+            segment.basis_k = union_k[..., : segment.basis_k.shape[-1]]
+            segment.basis_v = union_v[..., : segment.basis_v.shape[-1]]
+        end = first
+
+
 def new_segment(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, shape: KVShape,
-                rope, start: int = 0, spare_bytes: float = 0.0) -> LowRankLayer:
+                rope, start: int = 0, spare_bytes: float = 0.0,
+                before: LowRankLayer | None = None) -> LowRankLayer:
     """An appended text's keys/values [H, n, d] (post-RoPE, the first at position `start`) compressed
-    into a segment of its own: no sinks, bases fitted on it, ranks the budget allows for n tokens plus
-    `spare_bytes` (what the layer's earlier segments left unspent). Raises BudgetError when the ratio
-    cannot pay for its bases at this length."""
+    into a segment of its own: no sinks, ranks the budget allows for n tokens plus `spare_bytes` (what
+    the layer's earlier segments left unspent). With `segment_bases="extend"` and the segment `before`
+    it, its bases begin with that segment's (stored once, see `share_bases`) and add columns fitted on
+    what those leave, where the ranks allow any; else they are fitted on it alone. Raises BudgetError
+    when the ratio cannot pay for its bases at this length."""
     seg_cfg = replace(cfg, sinks=0)
-    plan = solve_ranks(shape, seg_cfg, keys.shape[1], spare_bytes)
-    return compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, shifted(rope, start))
+    n = keys.shape[1]
+    rope = shifted(rope, start)
+    if cfg.segment_bases == "extend" and before is not None:
+        shared = (before.basis_k.shape[-1], before.basis_v.shape[-1])
+        try:
+            plan = solve_ranks(shape, seg_cfg, n, spare_bytes, shared)
+        except BudgetError:
+            plan = None
+        # an extension adds columns: with none to add (fixed ranks, a tight budget) it would be a fold
+        if (plan is not None and plan.rank_k >= shared[0] and plan.rank_v >= shared[1]
+                and plan.rank_k + plan.rank_v > sum(shared)):
+            bases = extend_layer_bases(keys, values, seg_cfg, rope, before.basis_k, before.basis_v,
+                                       plan.rank_k, plan.rank_v)
+            segment = compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, rope, bases=bases)
+            segment.shared_k, segment.shared_v = shared
+            return segment
+    plan = solve_ranks(shape, seg_cfg, n, spare_bytes)
+    return compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, rope)
 
 
 def unspent_bytes(layer: CacheLayer, shape: KVShape, tokens: int) -> float:
@@ -206,12 +259,13 @@ def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
         base = getattr(last.rope, "base", last.rope)  # the model's own, not the last segment's shift
         try:
             segment = new_segment(last.buf_k, last.buf_v, cfg, shape, base, start,
-                                  unspent_bytes(layer, shape, start))
+                                  unspent_bytes(layer, shape, start), before=last)
         except BudgetError:
             segment = None
         if segment is not None:
             layer.drop_buffer()
-            segments = layer.segments if isinstance(layer, SegmentedLayer) else [layer]
-            return SegmentedLayer([*segments, segment])
+            segments = [*(layer.segments if isinstance(layer, SegmentedLayer) else [layer]), segment]
+            share_bases(segments)
+            return SegmentedLayer(segments)
     layer.fold_buffer()
     return layer

@@ -262,3 +262,76 @@ def test_the_second_document_spends_what_the_first_left_under_the_ratio(model):
     assert session.cache.ratio() >= 5.0
     with pytest.raises(ValueError, match="segment_budget"):
         S4RConfig(segment_budget="document")
+
+
+# --- extended bases (`segment_bases="extend"`) ------------------------------------------------------
+def test_an_extended_basis_adds_what_the_first_lacks_and_is_stored_once():
+    """Document 2 lies in document 1's rank-6 subspace plus two directions of its own: extended to rank 8,
+    the segment's basis is document 1's six columns (the same storage) and two new ones, and attention
+    over both documents is exact; the shared columns are counted once."""
+    gen = torch.Generator().manual_seed(5)
+    basis1, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 6, generator=gen))
+    extra, _ = torch.linalg.qr(torch.randn(HEADS * DIM, 2, generator=gen))
+    basis2, _ = torch.linalg.qr(torch.cat([basis1[:, :4], extra], dim=1))  # 4 shared directions, 2 new
+    cfg = S4RConfig(**{**EXACT_CFG.to_dict(), "segment_bases": "extend"})
+    k1, v1 = (_in_subspace(basis1, 600, gen) for _ in range(2))
+    k2, v2 = (_in_subspace(basis2, 400, gen) for _ in range(2))
+    layer = compress_layer(k1, v1, None, cfg, 6, 6, None)
+    layer.collecting = True
+    layer.update(k2.unsqueeze(0), v2.unsqueeze(0))
+    settled = settle_appended(layer, SHAPE)
+    first, second = settled.segments
+    assert (second.shared_k, second.shared_v) == (6, 6) and second.basis_k.shape[-1] == 8
+    assert first.basis_k.data_ptr() == second.basis_k.data_ptr()  # one storage, first is its prefix view
+    torch.testing.assert_close(second.basis_k[..., :6], first.basis_k)
+    own_bytes = sum(b.numel() * b.element_size() for b in (*first.own_bases(), *second.own_bases()))
+    assert own_bytes == (8 + 8) * HEADS * DIM * 4  # 6 shared + 2 new columns per kind, each once
+    query = torch.randn(1, Q_HEADS, 1, DIM, generator=gen)
+    expected = _exact_attention(query, torch.cat([k1, k2], 1), torch.cat([v1, v2], 1))
+    torch.testing.assert_close(settled.attend(query, None, None, DIM**-0.5), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_extended_bases_keep_the_ratio_and_survive_save_load_and_truncation(model, tmp_path):
+    sessions = {}
+    for bases in ("own", "extend"):
+        session = _session(model, ratio=5.0, segment_bases=bases)
+        session.ingest(DOC1)
+        first = session.logical_length
+        session.ingest(DOC2)
+        sessions[bases] = session
+    own, extended = (sessions[b].cache.layers[0].segments[1] for b in ("own", "extend"))
+    assert extended.shared_k > 0 and extended.basis_v.shape[-1] > own.basis_v.shape[-1]
+    session = sessions["extend"]
+    assert session.cache.ratio() >= 5.0
+    session.save(tmp_path / "ext.s4r")
+    loaded = Session.load(tmp_path / "ext.s4r", session.loaded)
+    assert loaded.cache.nbytes() == session.cache.nbytes()
+    seg0, seg1 = loaded.cache.layers[0].segments
+    assert seg0.basis_k.data_ptr() == seg1.basis_k.data_ptr()
+    answer = session.ask("Which shelf?", max_new_tokens=120)[0]
+    assert loaded.ask("Which shelf?", max_new_tokens=120)[0] == answer
+    assert session.cache.ratio() >= 5.0
+    # cut back into document 1: the segment goes, and with it the columns only it used
+    session.cache.truncate(first - 10)
+    for layer in session.cache.layers:
+        (only,) = layer.segments
+        basis = only.basis_k
+        assert basis.untyped_storage().nbytes() == basis.numel() * basis.element_size()
+
+
+def test_a_third_document_extends_the_chain_and_each_column_is_stored_once(model, tmp_path):
+    session = _session(model, ratio=5.0, segment_bases="extend")
+    session.ingest(DOC1[:1100])
+    session.ingest(DOC2)
+    session.ingest("Nine amber lanterns hung above the quiet harbour of Valletta. " * 17)
+    assert session.cache.ratio() >= 5.0
+    segments = session.cache.layers[0].segments
+    assert len(segments) == 3
+    assert all(s.shared_k == p.basis_k.shape[-1] for p, s in zip(segments, segments[1:], strict=False))
+    assert len({s.basis_v.data_ptr() for s in segments}) == 1  # one storage for the whole chain
+    storage = segments[-1].basis_v.untyped_storage().nbytes()
+    assert storage == sum(s.own_bases()[1].numel() * s.own_bases()[1].element_size() for s in segments)
+    session.save(tmp_path / "three.s4r")
+    loaded = Session.load(tmp_path / "three.s4r", session.loaded)
+    assert loaded.cache.nbytes() == session.cache.nbytes()
+    assert loaded.ask("Where?", max_new_tokens=8)[0] == session.ask("Where?", max_new_tokens=8)[0]

@@ -31,9 +31,11 @@ from s4r.session import Session
 # first document's (round 3)
 VARIANTS: dict[str, dict[str, Any]] = {
     "segments": {},
-    # (round 11) each segment kept 1/ratio of its own tokens, as in rounds 4-10 (the default now shares the
-    # layer's budget: what document 1 left unspent goes to document 2's ranks)
-    "segments-own-budget": {"segment_budget": "segment"},
+    # (round 11) rounds 4-10: each segment kept 1/ratio of its own tokens with bases of its own (the default
+    # now shares the layer's budget, and document 2's bases extend document 1's)
+    "segments-own-budget": {"segment_budget": "segment", "segment_bases": "own"},
+    # the layer's budget, but bases of its own (round 11's first step)
+    "own-bases": {"segment_bases": "own"},
     "fold": {"segment_tokens": 0},
     # the round 3-5 default (`s4r-fast`: post-RoPE keys), with segments
     "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0, "key_share": 0.5},
@@ -49,6 +51,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # is it the chat turn folded into document 2's bases? a buffer that keeps it exact
     "buffer128": {"buffer_tokens": 128},
     "buffer256": {"buffer_tokens": 256},
+    # document 2's bases extend document 1's (stored once; the default since round 11)
+    "extend": {"segment_bases": "extend"},
+    # which kind document 2's copies lean on: more rank to the keys or to the values (both documents)
+    "ks0.5": {"key_share": 0.5},
+    "ks0.3": {"key_share": 0.3},
 }
 
 
