@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from s4r.bench.decode_speed import (
@@ -95,5 +96,25 @@ def test_layer_speed_times_every_kernel_on_one_layer():
     queries = torch.randn(9, 32, 16, generator=g)
     rope = model_rope_fn(tiny_model("llama"))  # head_dim 16: pre-RoPE keys need the rotary
     times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2, rope=rope)
-    assert sorted(times) == ["full", "s4r 2.5", "s4r 5", "transformers"]
+    assert sorted(times) == ["full", "s4r 2.5", "s4r 2.5 scoring", "s4r 5", "s4r 5 scoring", "transformers"]
     assert all(ms > 0 for ms in times.values())
+
+
+def test_the_speed_ceiling_counts_the_model_and_every_layer():
+    from s4r.bench.layer_speed import speed_ceiling
+
+    # 40 ms of model work, 30 layers: attention 1 ms a layer against 0.5 ms is 70 / 55 of a step
+    assert speed_ceiling(40.0, 30, 1.0, 0.5) == pytest.approx(70 / 55)
+    assert speed_ceiling(40.0, 30, 1.0, 1.0) == 1.0
+    assert speed_ceiling(40.0, 30, 1.0, 0.0) == pytest.approx(70 / 40)  # attention free: the ceiling
+
+
+def test_layer_speed_runs_on_a_tiny_model(monkeypatch, capsys):
+    from s4r.bench import layer_speed
+
+    monkeypatch.setattr("s4r.loading.load_model", lambda name: tiny_loaded())
+    assert layer_speed.main(["--lengths", "900", "--ratios", "5", "--prefill", "600", "--layers", "0",
+                             "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model step besides attention" in out
+    assert "| 900 |" in out and "x (" in out
