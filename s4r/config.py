@@ -138,8 +138,8 @@ class S4RConfig:
     # new ones fitted on what they leave of the new text; "own" (rounds 4-10): fitted on its tokens alone.
     # An appended document's keys and values lie mostly in the first's subspace (the model's), so the bytes
     # a basis of its own would cost buy rank: 72/109 -> 88/132 at 2k tokens. Held-out book, 32 pairs at
-    # 5x: document 2's needle 28 -> 32 of 32 (the full cache's 32), chat margin +0.38 [+0.23, +0.52]
-    # (docs/notes-round11.md)
+    # 5x: document 2's needle 28 -> 32 of 32 (the full cache's 32), chat margin +0.38 [+0.23, +0.52];
+    # over 64 pairs 61/64 against the full cache's 63/64 (docs/notes-round11.md)
     segment_bases: Literal["own", "extend"] = "extend"
 
     def __post_init__(self) -> None:
