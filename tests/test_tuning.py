@@ -111,3 +111,32 @@ def test_two_documents_record_each_arms_greedy_answers_for_the_diagnosis():
         assert [len(a) for a in arm.answers] == [len(s) for s in arm.scores] == [1, 1]
     assert "answers full" in notes[-1] and repr(arms["segments"].answers[1][0].strip()) in notes[-1]
     assert list(summary(arms)["segments"]["raw"]["answers"]) == list(arms["segments"].answers)
+
+
+def test_a_long_chat_asks_every_needle_of_both_documents_in_turn():
+    from s4r.bench.long_chat import chat_questions
+
+    tok = CharTokenizer()
+    doc1, doc2, questions = chat_questions(900, 3, 7, lambda s: len(tok.encode(s)), "romeo-and-juliet")
+    assert len(questions) == 6
+    numbers = [q.answers[0] for q in questions]
+    assert len(set(numbers)) == 6 and len({q.question for q in questions}) == 6
+    for i, q in enumerate(questions):  # documents take turns; each number is in its document only
+        mine, other = (doc1, doc2) if i % 2 == 0 else (doc2, doc1)
+        assert q.context == mine and q.answers[0] in mine and q.answers[0] not in other
+
+
+def test_a_long_chat_scores_every_question_and_keeps_the_ratio_to_the_end():
+    from s4r.bench.long_chat import run_chats, summary
+
+    notes: list[str] = []
+    arms = run_chats(_loaded(), {"s4r": {}}, length=700, keys=2, pairs=2, ratio=2.0, book="romeo-and-juliet",
+                     note=notes.append)
+    for arm in arms.values():
+        assert [len(r) for r in arm.scores] == [len(a) for a in arm.answers] == [4, 4]
+    assert arms["full"].ratio == [1.0, 1.0]
+    assert all(r >= 2.0 for r in arms["s4r"].ratio)  # four questions and answers later, still within 1/2
+    assert len(notes) == 2 and notes[-1].startswith("pair 2: full ")
+    result = summary(arms)
+    assert len(result["s4r"]["positions"]) == 4 and result["full"]["late"]["gap"] == 0.0
+    assert result["s4r"]["early"]["n"] == 2

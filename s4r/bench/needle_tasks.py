@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from s4r.bench.haystack import Haystack, fit_to_tokens, insert_facts
 from s4r.bench.sample import Sample
 
-__all__ = ["NIAH_INTRO", "niah", "random_numbers"]
+__all__ = ["NIAH_INTRO", "needle_keys", "needle_question", "niah", "quiz_document", "random_numbers"]
 
 NIAH_INTRO = (
     "Some special magic numbers are hidden within the following text. "
@@ -32,7 +32,7 @@ violin wagon window bridge canyon forest helmet marker otter pepper thimble
 _NOUNS = tuple(_NOUNS_TEXT.split())
 
 
-def _keys(rng: random.Random, n: int) -> list[str]:
+def needle_keys(rng: random.Random, n: int) -> list[str]:
     """``n`` adjective-noun keys sharing no word, so no key is a near-copy of another."""
     adjectives = rng.sample(_ADJECTIVES, n)
     nouns = rng.sample(_NOUNS, n)
@@ -53,6 +53,25 @@ def _spread_depths(rng: random.Random, n: int, lo: float = 0.05, hi: float = 0.9
     """``n`` depths, one in each of ``n`` equal slices of [lo, hi], jittered within the slice."""
     width = (hi - lo) / n
     return [lo + width * (i + rng.uniform(0.15, 0.85)) for i in range(n)]
+
+
+def needle_question(key: str) -> tuple[str, str]:
+    """(question, answer prefix) asking for one key's number."""
+    return (f"What is the special magic number for {key} mentioned in the provided text?",
+            f"The special magic number for {key} mentioned in the provided text is")
+
+
+def quiz_document(needles: Sequence[tuple[str, str]], haystack: str, context_tokens: int, rng: random.Random,
+                  count_tokens: Callable[[str], int]) -> str:
+    """A haystack of about ``context_tokens`` tokens with the (key, number) ``needles`` spread evenly over
+    it in the given order (a document of a multi-question chat, `s4r.bench.long_chat`)."""
+    depths = _spread_depths(rng, len(needles))
+    facts = [(d, _needle(key, value)) for d, (key, value) in zip(depths, needles, strict=True)]
+    hay = Haystack(haystack, rng, context_tokens)
+    context, _ = fit_to_tokens(
+        lambda n: NIAH_INTRO + insert_facts(hay.units(n), facts), context_tokens, count_tokens, hay.probe
+    )
+    return context
 
 
 def _join_keys(keys: Sequence[str]) -> str:
@@ -77,7 +96,7 @@ def niah(
     (distractor) needles at random depths; otherwise all needles are spread evenly over the
     document in random order and the sample's depth is ``None``.
     """
-    keys = _keys(rng, num_keys)
+    keys = needle_keys(rng, num_keys)
     values = random_numbers(rng, num_keys * num_values)
     needles = [(keys[k], values[k * num_values + v]) for k in range(num_keys) for v in range(num_values)]
     queried = keys[:num_queries]
@@ -104,8 +123,7 @@ def niah(
         lambda n: NIAH_INTRO + insert_facts(hay.units(n), facts), context_tokens, count_tokens, hay.probe
     )
     if single:
-        question = f"What is the special magic number for {queried[0]} mentioned in the provided text?"
-        prefix = f"The special magic number for {queried[0]} mentioned in the provided text is"
+        question, prefix = needle_question(queried[0])
     else:
         who = _join_keys(queried)
         question = f"What are all the special magic numbers for {who} mentioned in the provided text?"
