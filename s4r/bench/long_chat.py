@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from s4r.bench.haystack import HELDOUT_BOOK
 from s4r.bench.intervals import mean_interval
 from s4r.bench.needle_tasks import needle_keys, needle_question, quiz_document, random_numbers
+from s4r.bench.progress import ElapsedLog, chosen_variants
 from s4r.bench.sample import Sample
 from s4r.bench.scoring import score
 from s4r.bench.tasks import answer_budget
@@ -148,16 +148,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default="s4r", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    names = [n for n in args.variants.split(",") if n]
-    if unknown := [n for n in names if n not in VARIANTS]:
-        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    variants = chosen_variants(parser, args.variants, VARIANTS)
     loaded = load_model(args.model)
-    t0 = time.perf_counter()
-
-    def note(message: str) -> None:
-        print(f"[{time.perf_counter() - t0:.0f} s] {message}", flush=True)
-
-    arms = run_chats(loaded, {n: VARIANTS[n] for n in names}, length=args.length, keys=args.keys,
+    note = ElapsedLog()
+    arms = run_chats(loaded, variants, length=args.length, keys=args.keys,
                      pairs=args.pairs, ratio=args.ratio, book=args.book, seed=args.seed, note=note)
     result = summary(arms)
     for name, res in result.items():
@@ -169,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         drift = res["drift_vs_full"]
         print(f"{name:10s} x{res['ratio']:.2f}  by question: {per}  |  {halves}  |  drift vs full "
               f"{drift['gap']:+.1f} [{drift['low']:+.1f}, {drift['high']:+.1f}]  n={res['early']['n']}")
-    print(f"wall {time.perf_counter() - t0:.0f} s")
+    print(f"wall {note.seconds():.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "arms": result}, f, indent=1)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from s4r.bench.intervals import Interval, difference_interval
+from s4r.bench.progress import ElapsedLog, chosen_variants
 from s4r.bench.tasks import TUNING_BOOK, Sample, make_samples
 from s4r.errors import BudgetError
 from s4r.session import Session
@@ -307,25 +308,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(TUNING_VARIANTS), help="names of TUNING_VARIANTS")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in TUNING_VARIANTS]
-    if unknown:
-        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TUNING_VARIANTS)}")
+    variants = chosen_variants(parser, args.variants, TUNING_VARIANTS)
     loaded = load_model(args.model)
-    t0 = time.perf_counter()
-
-    def note(message: str) -> None:
-        print(f"[{time.perf_counter() - t0:.0f} s] {message}", flush=True)
+    note = ElapsedLog()
 
     if args.perplexity:
-        gaps = perplexity_gaps(loaded, {n: TUNING_VARIANTS[n] for n in names}, length=args.length,
+        gaps = perplexity_gaps(loaded, variants, length=args.length,
                                continuation=args.perplexity, ratio=args.ratio, book=args.book, note=note)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({n: {"nll": v[0], "gap": v[0] - gaps["full"][0], "ratio": v[1]}
                            for n, v in gaps.items()}, f, indent=1)
         return
-    results = compare_variants(loaded, {n: TUNING_VARIANTS[n] for n in names}, tasks=args.tasks.split(","),
+    results = compare_variants(loaded, variants, tasks=args.tasks.split(","),
                                length=args.length, samples=args.samples, ratio=args.ratio, seed=args.seed,
                                book=args.book, note=note)
     full = results["full"]
@@ -348,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             doc[name]["vs_default"] = {"gap": vs.mean, "gap_low": vs.low, "gap_high": vs.high}
             line += f"  vs default {vs.mean:+.3f} [{vs.low:+.3f}, {vs.high:+.3f}]"
         print(line)
-    print(f"wall {time.perf_counter() - t0:.0f} s")
+    print(f"wall {note.seconds():.0f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)

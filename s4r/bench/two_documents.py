@@ -16,12 +16,12 @@ Gaps to the full cache are paired per sample. A margin above 0 means greedy deco
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from s4r.bench.intervals import mean_interval
+from s4r.bench.progress import ElapsedLog, chosen_variants
 from s4r.bench.scoring import score
 from s4r.bench.tasks import Sample, answer_budget, make_samples
 from s4r.bench.tuning import AnswerFit, answer_fit, paired_gap
@@ -171,16 +171,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    names = [n for n in args.variants.split(",") if n]
-    if unknown := [n for n in names if n not in VARIANTS]:
-        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    variants = chosen_variants(parser, args.variants, VARIANTS)
     loaded = load_model(args.model)
-    t0 = time.perf_counter()
-
-    def note(message: str) -> None:
-        print(f"[{time.perf_counter() - t0:.0f} s] {message}", flush=True)
-
-    arms = run_pairs(loaded, {n: VARIANTS[n] for n in names}, length=args.length, samples=args.samples,
+    note = ElapsedLog()
+    arms = run_pairs(loaded, variants, length=args.length, samples=args.samples,
                      ratio=args.ratio, book=args.book, second_book=args.second_book or args.book,
                      seed=args.seed, note=note)
     result = summary(arms)
@@ -195,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                      f"{doc2['chat_margin_gap_high']:+.2f}]")
         n = res["documents"][0]["samples"]
         print(f"{name:10s} x{res['ratio']:.2f}  " + "  |  ".join(cells) + f"  n={n}")
-    print(f"wall {time.perf_counter() - t0:.0f} s")
+    print(f"wall {note.seconds():.0f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "arms": result}, f, indent=1)

@@ -1,0 +1,33 @@
+"""What the long measuring scripts (`tuning`, `two_documents`, `long_chat`) share: the variants a run
+names, and progress lines stamped with the seconds since the run began."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+__all__ = ["ElapsedLog", "chosen_variants"]
+
+
+def chosen_variants(parser: argparse.ArgumentParser, spec: str,
+                    variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The variants named in the comma list `spec`, in its order; an unknown name is a usage error."""
+    names = [n for n in spec.split(",") if n]
+    if unknown := [n for n in names if n not in variants]:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(variants)}")
+    return {n: variants[n] for n in names}
+
+
+class ElapsedLog:
+    """Prints progress lines, each prefixed with the seconds since the log was made (a run's start)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Seconds since the run began."""
+        return time.perf_counter() - self.t0
+
+    def __call__(self, message: str) -> None:
+        print(f"[{self.seconds():.0f} s] {message}", flush=True)
