@@ -73,13 +73,19 @@ def _fit(sample: torch.Tensor, cfg: S4RConfig, rank: int) -> tuple[torch.Tensor,
     return basis, captured / sample.pow(2).sum().clamp_min(1e-12)
 
 
-def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
-                    rank_k: int, rank_v: int) -> LayerBases:
-    """SVD (fp32) bases on a normalized hybrid sample of the non-sink tokens of one layer."""
+def _hybrid_sample(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
+                   rope: RopeFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hybrid sample of one layer's non-sink keys and values, fp32 grouped rows (not normalized)."""
     stored = keys.shape[1] - min(cfg.sinks, keys.shape[1])
     idx = hybrid_sample_indices(stored, cfg.sample_tokens, cfg.recent_share).to(keys.device)
     # only the sampled tokens in fp32 (all of them when the sample covers the layer)
-    k_sample, v_sample = compressible_parts(keys, values, cfg, rope, idx)
+    return compressible_parts(keys, values, cfg, rope, idx)
+
+
+def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                    rank_k: int, rank_v: int) -> LayerBases:
+    """SVD (fp32) bases on a normalized hybrid sample of the non-sink tokens of one layer."""
+    k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
     basis_k, energy_k = _fit(k_sample, cfg, rank_k)
     basis_v, energy_v = _fit(v_sample, cfg, rank_v)
     return LayerBases(basis_k, basis_v, energy_k, energy_v)
@@ -105,9 +111,7 @@ def extend_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
     stored there) and add the directions the normalized hybrid sample of these tokens needs most: an
     appended document's keys and values share most of their subspace with the first's (the model's), so
     the new columns go to what is its own."""
-    stored = keys.shape[1] - min(cfg.sinks, keys.shape[1])
-    idx = hybrid_sample_indices(stored, cfg.sample_tokens, cfg.recent_share).to(keys.device)
-    k_sample, v_sample = compressible_parts(keys, values, cfg, rope, idx)
+    k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
     if cfg.normalize:
         k_sample, v_sample = normalize_rows(k_sample), normalize_rows(v_sample)
     return LayerBases(_extended(k_sample, prefix_k.float(), rank_k),
