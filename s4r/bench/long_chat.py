@@ -14,7 +14,6 @@ achieved ratio after the last answer.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -163,10 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         drift = res["drift_vs_full"]
         print(f"{name:10s} x{res['ratio']:.2f}  by question: {per}  |  {halves}  |  drift vs full "
               f"{drift['gap']:+.1f} [{drift['low']:+.1f}, {drift['high']:+.1f}]  n={res['early']['n']}")
-    print(f"wall {note.seconds():.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "arms": result}, f, indent=1)
+    note.finish(args.json, {"args": vars(args), "arms": result})
 
 
 if __name__ == "__main__":

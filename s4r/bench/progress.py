@@ -4,6 +4,7 @@ names, and progress lines stamped with the seconds since the run began."""
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
@@ -31,3 +32,10 @@ class ElapsedLog:
 
     def __call__(self, message: str) -> None:
         print(f"[{self.seconds():.0f} s] {message}", flush=True)
+
+    def finish(self, path: str | None, record: Any) -> None:
+        """Print the run's wall time; write `record` as JSON to `path` when one was given."""
+        print(f"wall {self.seconds():.0f} s")
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)

@@ -290,7 +290,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     the tuning runs that choose S4R's defaults (needle tasks of the tuning book, answer NLL at ratio 5);
     with `--perplexity N`, the NLL gap of an N-token continuation after `--length` tokens instead."""
     import argparse
-    import json
 
     from s4r.loading import load_model
 
@@ -315,10 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.perplexity:
         gaps = perplexity_gaps(loaded, variants, length=args.length,
                                continuation=args.perplexity, ratio=args.ratio, book=args.book, note=note)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({n: {"nll": v[0], "gap": v[0] - gaps["full"][0], "ratio": v[1]}
-                           for n, v in gaps.items()}, f, indent=1)
+        note.finish(args.json, {n: {"nll": v[0], "gap": v[0] - gaps["full"][0], "ratio": v[1]}
+                                for n, v in gaps.items()})
         return
     results = compare_variants(loaded, variants, tasks=args.tasks.split(","),
                                length=args.length, samples=args.samples, ratio=args.ratio, seed=args.seed,
@@ -343,10 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             doc[name]["vs_default"] = {"gap": vs.mean, "gap_low": vs.low, "gap_high": vs.high}
             line += f"  vs default {vs.mean:+.3f} [{vs.low:+.3f}, {vs.high:+.3f}]"
         print(line)
-    print(f"wall {note.seconds():.0f} s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
+    note.finish(args.json, doc)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Gaps to the full cache are paired per sample. A margin above 0 means greedy deco
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -189,10 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                      f"{doc2['chat_margin_gap_high']:+.2f}]")
         n = res["documents"][0]["samples"]
         print(f"{name:10s} x{res['ratio']:.2f}  " + "  |  ".join(cells) + f"  n={n}")
-    print(f"wall {note.seconds():.0f} s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "arms": result}, f, indent=1)
+    note.finish(args.json, {"args": vars(args), "arms": result})
 
 
 if __name__ == "__main__":
