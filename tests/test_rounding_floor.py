@@ -21,7 +21,7 @@ def _loaded():
                            dtype=torch.float32, context_length=4096)
 
 
-def test_theexact_twin_attends_the_same_tokens_through_sdpa():
+def test_the_exact_twin_attends_the_same_tokens_through_sdpa():
     loaded = _loaded()
     staged = Session(loaded, method="full")
     staged.ingest("The grass is green. " * 20, compress=False)

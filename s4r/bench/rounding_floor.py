@@ -96,10 +96,12 @@ def floor_summary(arms: dict[str, FloorArm]) -> list[FloorRow]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m s4r.bench.rounding_floor`: per task, the scores, paired gaps to the full cache and changed
+    answers of the exact twin and each compressed arm (see the module's docstring)."""
     from s4r.loading import load_model
     from s4r.threads import apply_threads
 
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m s4r.bench.rounding_floor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tasks", default="variable_tracking", help="comma list of the suite's tasks")
