@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from s4r.bench.decode_speed import SdpaFullLayer
-from s4r.bench.progress import ElapsedLog
+from s4r.bench.progress import ElapsedLog, measuring_parser
 from s4r.bench.rounding_floor import EXACT_TWIN, FloorArm, exact_twin, floor_summary, run_floor
 from s4r.session import Session
 from tests.helpers import CharTokenizer
@@ -65,3 +65,11 @@ def test_a_measuring_run_ends_with_its_wall_time_and_its_record(tmp_path, capsys
     assert json.loads(out.read_text()) == {"arms": {"full": [1.0, 0.0]}}
     log.finish(None, {"not": "written"})  # no path: only the wall line
     assert capsys.readouterr().out.startswith("wall ") and len(list(tmp_path.iterdir())) == 1
+
+
+def test_measuring_scripts_share_their_common_options():
+    parser = measuring_parser("prog", None, length=2048, book="romeo-and-juliet")
+    parser.add_argument("--ratio", type=float, default=5.0)
+    args = parser.parse_args(["--seed", "7", "--json", "out.json"])
+    assert (args.model, args.length, args.seed, args.book, args.json, args.ratio) == (
+        "smollm2-135m", 2048, 7, "romeo-and-juliet", "out.json", 5.0)

@@ -22,7 +22,7 @@ from typing import Any
 from s4r.bench.haystack import HELDOUT_BOOK
 from s4r.bench.intervals import mean_interval
 from s4r.bench.needle_tasks import needle_keys, needle_question, quiz_document, random_numbers
-from s4r.bench.progress import ElapsedLog, chosen_variants
+from s4r.bench.progress import ElapsedLog, chosen_variants, measuring_parser
 from s4r.bench.sample import Sample
 from s4r.bench.scoring import score
 from s4r.bench.tasks import answer_budget
@@ -131,21 +131,14 @@ def summary(arms: dict[str, ChatArm]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m s4r.bench.long_chat [--pairs 12] [--keys 5] [--length 2048] [--ratio 5] [--book B]
     [--seed S] [--variants s4r,own-bases] [--json PATH]`."""
-    import argparse
-
     from s4r.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m s4r.bench.long_chat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--length", type=int, default=2048, help="tokens of each document")
+    parser = measuring_parser("python -m s4r.bench.long_chat", __doc__, length=2048, book=HELDOUT_BOOK,
+                              length_help="tokens of each document")
     parser.add_argument("--keys", type=int, default=5, help="needles (questions) per document")
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--ratio", type=float, default=5.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--book", default=HELDOUT_BOOK)
     parser.add_argument("--variants", default="s4r", help=f"of {', '.join(VARIANTS)}")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     variants = chosen_variants(parser, args.variants, VARIANTS)
     loaded = load_model(args.model)

@@ -8,7 +8,21 @@ import json
 import time
 from typing import Any
 
-__all__ = ["ElapsedLog", "chosen_variants"]
+__all__ = ["ElapsedLog", "chosen_variants", "measuring_parser"]
+
+
+def measuring_parser(prog: str, description: str | None, *, length: int, book: str,
+                     length_help: str | None = None, book_help: str | None = None) -> argparse.ArgumentParser:
+    """The options every measuring script takes: --model, --length, --seed, --book and --json (the record);
+    each script adds its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=length, help=length_help)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
+    parser.add_argument("--book", default=book, help=book_help)
+    parser.add_argument("--json", default=None)
+    return parser
 
 
 def chosen_variants(parser: argparse.ArgumentParser, spec: str,

@@ -14,7 +14,6 @@ the score.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -22,7 +21,7 @@ from s4r.bench.decode_speed import sdpa_full_fork
 from s4r.bench.haystack import HELDOUT_BOOK
 from s4r.bench.intervals import Interval, difference_interval, score_interval
 from s4r.bench.merge_runs import parse_methods
-from s4r.bench.progress import ElapsedLog
+from s4r.bench.progress import ElapsedLog, measuring_parser
 from s4r.bench.scoring import score
 from s4r.bench.tasks import TASKS, answer_budget, make_samples
 from s4r.session import Session
@@ -101,17 +100,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from s4r.loading import load_model
     from s4r.threads import apply_threads
 
-    parser = argparse.ArgumentParser(prog="python -m s4r.bench.rounding_floor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = measuring_parser("python -m s4r.bench.rounding_floor", __doc__, length=4096, book=HELDOUT_BOOK)
     parser.add_argument("--tasks", default="variable_tracking", help="comma list of the suite's tasks")
-    parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--book", default=HELDOUT_BOOK)
     parser.add_argument("--methods", default="s4r@5", help="name@ratio list of compressed arms")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     if unknown := [t for t in tasks if t not in TASKS]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from s4r.bench.intervals import Interval, difference_interval
-from s4r.bench.progress import ElapsedLog, chosen_variants
+from s4r.bench.progress import ElapsedLog, chosen_variants, measuring_parser
 from s4r.bench.tasks import TUNING_BOOK, Sample, make_samples
 from s4r.errors import BudgetError
 from s4r.session import Session
@@ -289,23 +289,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     """`python -m s4r.bench.tuning [--length 4096] [--samples 4] [--seed 0] [--variants a,b] [--json PATH]`:
     the tuning runs that choose S4R's defaults (needle tasks of the tuning book, answer NLL at ratio 5);
     with `--perplexity N`, the NLL gap of an N-token continuation after `--length` tokens instead."""
-    import argparse
-
     from s4r.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m s4r.bench.tuning", description=main.__doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--length", type=int, default=4096)
+    parser = measuring_parser("python -m s4r.bench.tuning", main.__doc__, length=4096, book=TUNING_BOOK,
+                              book_help="haystack and perplexity text (default: the tuning book)")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=5.0)
     parser.add_argument("--tasks", default="niah_single_book,niah_multikey")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
-    parser.add_argument("--book", default=TUNING_BOOK,
-                        help="haystack and perplexity text (default: the tuning book)")
     parser.add_argument("--perplexity", type=int, default=0, metavar="N",
                         help="measure the NLL gap of an N-token continuation instead of answer NLLs")
     parser.add_argument("--variants", default=",".join(TUNING_VARIANTS), help="names of TUNING_VARIANTS")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     variants = chosen_variants(parser, args.variants, TUNING_VARIANTS)
     loaded = load_model(args.model)

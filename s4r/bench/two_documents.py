@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from s4r.bench.intervals import mean_interval
-from s4r.bench.progress import ElapsedLog, chosen_variants
+from s4r.bench.progress import ElapsedLog, chosen_variants, measuring_parser
 from s4r.bench.scoring import score
 from s4r.bench.tasks import Sample, answer_budget, make_samples
 from s4r.bench.tuning import AnswerFit, answer_fit, paired_gap
@@ -153,22 +153,16 @@ def summary(arms: dict[str, ArmResult]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m s4r.bench.two_documents [--samples 8] [--length 2048] [--ratio 5] [--book B]
     [--second-book B] [--variants segments,fold] [--json PATH]`."""
-    import argparse
-
     from s4r.bench.haystack import HELDOUT_BOOK
     from s4r.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m s4r.bench.two_documents", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--length", type=int, default=2048, help="tokens of each document")
+    parser = measuring_parser("python -m s4r.bench.two_documents", __doc__, length=2048, book=HELDOUT_BOOK,
+                              length_help="tokens of each document",
+                              book_help="haystack of document 1 (default: held out)")
     parser.add_argument("--samples", type=int, default=8, help="document pairs")
     parser.add_argument("--ratio", type=float, default=5.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--book", default=HELDOUT_BOOK, help="haystack of document 1 (default: held out)")
     parser.add_argument("--second-book", default=None, help="haystack of document 2 (default: --book)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     variants = chosen_variants(parser, args.variants, VARIANTS)
     loaded = load_model(args.model)
