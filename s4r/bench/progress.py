@@ -1,5 +1,6 @@
-"""What the long measuring scripts (`tuning`, `two_documents`, `long_chat`) share: the variants a run
-names, and progress lines stamped with the seconds since the run began."""
+"""What the long measuring scripts (`tuning`, `two_documents`, `long_chat`, `rounding_floor`) share: their
+common options, the variants a run names, progress lines stamped with the seconds since the run began,
+and the run's end (wall time, JSON record)."""
 
 from __future__ import annotations
 
