@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import S4RError
+from s4r.errors import S4RError
 
 BOOKS_ENV = "S4R_BOOKS_DIR"
 SHIPPED_DIR = Path(__file__).resolve().parent / "data"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
-from .validation import check_ratio
+from s4r.validation import check_ratio
 
 KeySpace = Literal["post_rope", "pre_rope"]
 Granularity = Literal["head", "layer"]
@@ -126,7 +126,7 @@ class S4RConfig:
     buffer_tokens: int = 64
     fold_tokens: int = 32
     # an appended text of at least this many tokens (a second document) gets bases of its own instead of
-    # being folded into the first document's (`s4r.segments`); 0 folds every append
+    # being folded into the first document's (`s4r.layers.segments`); 0 folds every append
     segment_tokens: int = 1024
     # what bytes a new segment's ranks may use: "layer" also spends what the earlier segments left under
     # the ratio (the first document's room for new tokens, which the new last segment takes over, and
@@ -181,7 +181,7 @@ class S4RConfig:
             raise ValueError("pool_kernel must be a positive odd number")
         for spec in (self.coef_bands, self.value_bands):
             if spec is not None:
-                from .coef_bands import parse_band_spec
+                from s4r.core.coef_bands import parse_band_spec
 
                 parse_band_spec(spec)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:

@@ -57,7 +57,7 @@ def check_ratio(ratio: float, error: type[Exception] = ValueError, *, name: str 
 
 def check_device_spec(device: str, error: type[Exception] = ValueError) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, lower-cased; the shape only (whether the GPU is there is
-    for :func:`s4r.device.resolve_device` to say)."""
+    for :func:`s4r.models.device.resolve_device` to say)."""
     spec = device.strip().lower()
     if not DEVICE_RE.fullmatch(spec):
         raise error(f"--device must be auto, cpu, cuda or cuda:N, got '{device}'")
@@ -73,13 +73,13 @@ def looks_like_path(spec: str) -> bool:
 
 
 def model_spec_kind(spec: str) -> ModelSpecKind:
-    """What a ``--model`` value names, the way :func:`s4r.loading.load_model` dispatches on it.
+    """What a ``--model`` value names, the way :func:`s4r.models.loading.load_model` dispatches on it.
 
     ``profile``: a profile name (profile names win over same-named folders; write ``./name`` for the
     folder); ``local``: an existing file or folder; ``missing``: a path that does not exist; ``hub``: an
     ``org/name`` hub id; ``unknown``: a bare word that is none of these (a typo).
     """
-    from s4r.profiles import profile_names  # tomllib only; looked up at call time so tests can swap it
+    from s4r.models.profiles import profile_names  # tomllib only; looked up at call time so tests can swap it
 
     if "/" not in spec and spec in profile_names():
         return "profile"

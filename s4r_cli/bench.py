@@ -147,7 +147,7 @@ def bench(
     if random_weights:
         if accuracy_only:
             raise UsageError("--random-weights measures speed and memory only; it cannot run --accuracy-only")
-        from s4r.profiles import profile_names
+        from s4r.models.profiles import profile_names
 
         if model not in profile_names():
             raise UsageError(f"--random-weights needs a profile name (see `s4r models`), got '{model}'")
@@ -166,14 +166,14 @@ def bench(
     from s4r.bench.report import to_json
     from s4r.bench.runner import BenchRunner
     from s4r.errors import S4RError
-    from s4r.loading import load_model, resolve_device
-    from s4r.threads import apply_threads
+    from s4r.models.loading import load_model, resolve_device
+    from s4r.runtime.threads import apply_threads
 
     dev = resolve_device(device)  # `--device cuda` without a GPU fails before any loading
-    apply_threads(threads, dev.type)  # the policy every command shares (s4r/threads.py)
+    apply_threads(threads, dev.type)  # the policy every command shares (s4r/runtime/threads.py)
     random_context = None
     if random_weights:
-        from s4r.profiles import load_profile
+        from s4r.models.profiles import load_profile
 
         random_context = load_profile(model).context_length
     cfg = build_config(quick=quick, samples=samples, seed=seed, speed_only=speed_only,

@@ -193,11 +193,11 @@ def check_random_fits(model: str, device: str, dtype: str, cfg: BenchConfig) -> 
     """Before building a random-weight model: refuse lengths whose weights + caches cannot fit."""
     from s4r.bench.config import LENGTH_MARGIN
     from s4r.bench.speed import check_lengths_fit, param_count
-    from s4r.budget import KVShape
-    from s4r.device import resolve_device, resolve_dtype
-    from s4r.profiles import load_profile
-    from s4r.random_model import build_config as arch_config
-    from s4r.session import ANSWER_HEADROOM
+    from s4r.core.budget import KVShape
+    from s4r.models.device import resolve_device, resolve_dtype
+    from s4r.models.profiles import load_profile
+    from s4r.models.random_model import build_config as arch_config
+    from s4r.runtime.session import ANSWER_HEADROOM
 
     profile = load_profile(model)
     dev = resolve_device(device)

@@ -59,7 +59,7 @@ def check_model_spec(spec: str) -> None:
 
 def check_method(method: str) -> str:
     """--method must be one the library knows (it may add methods, e.g. for benchmarks)."""
-    from s4r.session import METHODS as methods
+    from s4r.runtime.session import METHODS as methods
 
     if method not in methods:
         raise UsageError(f"--method must be one of {', '.join(methods)}, got '{method}'")

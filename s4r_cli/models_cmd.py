@@ -20,7 +20,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 
 def models(as_json: JsonOpt = False) -> None:
     """List the built-in model profiles (use a name with --model)."""
-    from s4r.profiles import list_profiles
+    from s4r.models.profiles import list_profiles
 
     records = [{"name": p.name, "display_name": p.display_name,
                 "architecture": p.architecture.get("model_type"), "context_length": p.context_length,
@@ -51,8 +51,8 @@ def system_info() -> dict[str, Any]:
     """What `s4r info` reports, as plain data."""
     import torch
 
-    from s4r.device import cpu_supports_bf16, resolve_device, resolve_dtype
-    from s4r.model_store import s4r_home
+    from s4r.models.device import cpu_supports_bf16, resolve_device, resolve_dtype
+    from s4r.models.model_store import s4r_home
 
     device = resolve_device("auto")
     info: dict[str, Any] = {

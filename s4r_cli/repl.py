@@ -280,7 +280,7 @@ def _key_bindings() -> KeyBindings:
 
 def _history() -> History:
     """Persistent history in $S4R_HOME/history; in memory if that folder cannot be written."""
-    from s4r.model_store import s4r_home  # no torch: cheap even before the model loads
+    from s4r.models.model_store import s4r_home  # no torch: cheap even before the model loads
 
     home = s4r_home()
     try:

@@ -12,7 +12,7 @@ from s4r_cli.documents import Document
 from s4r_cli.options import CommonArgs
 
 if TYPE_CHECKING:  # the library imports torch; keep input errors fast
-    from s4r.session import IngestStats, Session
+    from s4r.runtime.session import IngestStats, Session
     from s4r_cli.ui import UI
 
 
@@ -23,8 +23,8 @@ def open_model(args: CommonArgs, ui: UI) -> Any:
     UsageError, exit 2. With --rope-scaling, one warning line on stderr says how far the context reaches.
     """
     from s4r.errors import DeviceError
-    from s4r.loading import load_model, resolve_device
-    from s4r.threads import apply_threads
+    from s4r.models.loading import load_model, resolve_device
+    from s4r.runtime.threads import apply_threads
 
     try:
         device = resolve_device(args.device)  # fail fast, before any download/IO
@@ -70,7 +70,7 @@ def check_ratio_reachable(args: CommonArgs, loaded: Any) -> None:
     """Refuse a --ratio the method can never reach on this model, before any document is read."""
     if args.load or args.method == "full":
         return
-    from s4r.ratio_limits import max_ratio
+    from s4r.runtime.ratio_limits import max_ratio
 
     best = max_ratio(loaded, args.method)
     if args.ratio > best:
@@ -89,7 +89,7 @@ def open_session(args: CommonArgs, loaded: Any, docs: Sequence[Document],
     A ratio the method can never reach is refused first; a document too short for the ratio to pay for
     itself is kept uncompressed, said in one line.
     """
-    from s4r.session import Session
+    from s4r.runtime.session import Session
 
     check_ratio_reachable(args, loaded)
     if args.load:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from s4r.loading import LoadedModel
+    from s4r.models.loading import LoadedModel
 
 # the CLI tests' shared fixtures (cli_fakes, book)
 pytest_plugins = ["tests.cli_fixtures"]
@@ -21,6 +21,6 @@ def smollm2() -> LoadedModel:
     Tests using it must be marked ``@pytest.mark.slow``.
     """
     # Imported here so collecting the fast tests never pays for (or depends on) the loader's imports.
-    from s4r.loading import load_model
+    from s4r.models.loading import load_model
 
     return load_model("smollm2-135m", device="cpu", dtype="auto")

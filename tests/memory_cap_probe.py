@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from s4r.budget import KVShape
-from s4r.memory import release_freed_memory
-from s4r.session import Session
+from s4r.core.budget import KVShape
+from s4r.runtime.memory import release_freed_memory
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 DOC_CHARS = 1500

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s4r.attention import install
-from s4r.budget import KVShape, solve_ranks
-from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
+from s4r.core.budget import KVShape, solve_ranks
+from s4r.core.rope import model_rope_fn
 from s4r.errors import BudgetError
-from s4r.generation import forward_tokens, prefill, sample_token
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.generation import forward_tokens, prefill, sample_token
 from s4r.methods import CompressContext, make_method
-from s4r.rope import model_rope_fn
 from tests.helpers import tiny_model
 
 

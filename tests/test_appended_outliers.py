@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from s4r.compress import compress_layer
 from s4r.config import S4RConfig
+from s4r.core.compress import compress_layer
 
 
 def _in_subspace(basis: torch.Tensor, heads: int, tokens: int, dim: int,

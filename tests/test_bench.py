@@ -18,9 +18,9 @@ from s4r.bench.report import to_json, write_json
 from s4r.bench.report_tables import tables
 from s4r.bench.runner import BenchRunner, run_bench
 from s4r.bench.speed import check_lengths_fit, param_count, plan_memory, teacher_force
-from s4r.budget import KVShape
+from s4r.core.budget import KVShape
 from s4r.errors import DeviceError
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import _BASE, CharTokenizer, tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

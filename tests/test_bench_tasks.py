@@ -304,7 +304,7 @@ def _cached_smollm2_tokenizer():
     """The embedded SmolLM2 tokenizer if its converted folder is already cached, else None (never fetches)."""
     from tokenizers import Tokenizer
 
-    from s4r.loading import models_dir
+    from s4r.models.loading import models_dir
 
     path = models_dir() / "smollm2-135m" / "tokenizer.json"
     return Tokenizer.from_file(str(path)) if path.is_file() else None

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from s4r import books, threads
+from s4r import books
 from s4r.bench import tasks
-from s4r.threads import auto_threads, choose_threads
+from s4r.runtime import threads
+from s4r.runtime.threads import auto_threads, choose_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

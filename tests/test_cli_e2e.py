@@ -86,7 +86,7 @@ def test_ask_json_has_every_key(smollm2: Any, excerpt: Path) -> None:
 
 def test_save_in_repl_then_load_gives_the_same_answer(smollm2: object, excerpt: Path, tmp_path: Path) -> None:
     """/save from a REPL over a real session, then `s4r ask --load` in a new process, same question."""
-    from s4r.session import Session
+    from s4r.runtime.session import Session
     from s4r_cli.generation_settings import GenerationSettings
     from s4r_cli.repl import ChatState, CommandHandler
     from s4r_cli.ui import UI
@@ -112,7 +112,7 @@ def test_save_in_repl_then_load_gives_the_same_answer(smollm2: object, excerpt: 
 
 def test_load_refuses_a_cache_made_with_other_settings(smollm2: object, excerpt: Path,
                                                        tmp_path: Path) -> None:
-    from s4r.session import Session
+    from s4r.runtime.session import Session
 
     session = Session(smollm2, ratio=8.0)
     session.ingest(excerpt.read_text()[:4000])  # any document will do; the settings are what differ

@@ -178,7 +178,7 @@ def test_cuda_without_gpu(tmp_path: Path, book: Path) -> None:
 
 def test_cuda_without_gpu_real_library(tmp_path: Path, book: Path) -> None:
     """The real resolve_device (no model is loaded: the device is checked first)."""
-    pytest.importorskip("s4r.loading", reason="s4r.loading not written yet")
+    pytest.importorskip("s4r.models.loading", reason="s4r.models.loading not written yet")
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -1,4 +1,5 @@
-"""Small stand-ins for s4r.loading / s4r.session / s4r.profiles, so CLI tests run in milliseconds.
+"""Small stand-ins for s4r.models.loading / s4r.runtime.session / s4r.models.profiles, so CLI tests run in
+milliseconds.
 
 Used two ways: in-process (``install_fakes(monkeypatch)``) and in a subprocess (``FAKE_LAUNCHER`` puts the
 fakes into ``sys.modules`` and then runs the real ``s4r_cli.app.main``). The tests at the bottom check that
@@ -49,7 +50,7 @@ FAKE_LAUNCHER = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from test
 
 @dataclass
 class FakeLoaded:
-    """Quacks like s4r.loading.LoadedModel."""
+    """Quacks like s4r.models.loading.LoadedModel."""
 
     name: str = "smollm2-135m"
     model: Any = None
@@ -280,24 +281,25 @@ class FakeProfile:
 
 def fake_modules() -> dict[str, types.ModuleType]:
     """Module objects to put in sys.modules in place of the library's."""
-    loading = types.ModuleType("s4r.loading")
+    loading = types.ModuleType("s4r.models.loading")
     loading.load_model = fake_load_model
     loading.resolve_device = fake_resolve_device
     loading.LoadedModel = FakeLoaded
-    session = types.ModuleType("s4r.session")
+    session = types.ModuleType("s4r.runtime.session")
     session.Session = FakeSession
     session.METHODS = FAKE_METHODS
     session.MemoryReport, session.IngestStats = FakeMemoryReport, FakeIngestStats
     session.TurnStats = FakeTurnStats
-    profiles = types.ModuleType("s4r.profiles")
+    profiles = types.ModuleType("s4r.models.profiles")
     profiles.list_profiles = lambda: [FakeProfile(n) for n in FAKE_PROFILES]
     profiles.profile_names = lambda: list(FAKE_PROFILES)
-    threads = types.ModuleType("s4r.threads")  # the real one imports torch (seconds per subprocess)
+    threads = types.ModuleType("s4r.runtime.threads")  # the real one imports torch (seconds per subprocess)
     threads.apply_threads = fake_apply_threads
-    limits = types.ModuleType("s4r.ratio_limits")
+    limits = types.ModuleType("s4r.runtime.ratio_limits")
     limits.max_ratio = fake_max_ratio
-    return {"s4r.loading": loading, "s4r.session": session, "s4r.profiles": profiles, "s4r.threads": threads,
-            "s4r.ratio_limits": limits}
+    return {"s4r.models.loading": loading, "s4r.runtime.session": session, "s4r.models.profiles": profiles,
+            "s4r.runtime.threads": threads,
+            "s4r.runtime.ratio_limits": limits}
 
 
 def fake_apply_threads(requested: int | None, device_type: str = "cpu") -> int:
@@ -326,7 +328,7 @@ def _params(fn: Any) -> set[str]:
 
 
 def test_fake_session_matches_real_signatures() -> None:
-    real = pytest.importorskip("s4r.session", reason="s4r.session not written yet")
+    real = pytest.importorskip("s4r.runtime.session", reason="s4r.runtime.session not written yet")
     for name in ("__init__", "ingest", "ask", "clear", "memory", "save"):
         missing = _params(getattr(FakeSession, name)) - _params(getattr(real.Session, name))
         assert not missing, f"Session.{name} lacks {missing}"
@@ -338,21 +340,21 @@ def test_fake_session_matches_real_signatures() -> None:
 
 
 def test_fake_loading_matches_real_signatures() -> None:
-    real = pytest.importorskip("s4r.loading", reason="s4r.loading not written yet")
+    real = pytest.importorskip("s4r.models.loading", reason="s4r.models.loading not written yet")
     assert _params(fake_load_model) <= _params(real.load_model)
     assert _params(fake_resolve_device) <= _params(real.resolve_device)
 
 
 def test_fake_threads_and_limits_match_real_signatures() -> None:
-    import s4r.ratio_limits
-    import s4r.threads
+    import s4r.runtime.ratio_limits
+    import s4r.runtime.threads
 
-    assert _params(fake_apply_threads) == _params(s4r.threads.apply_threads)
-    assert _params(fake_max_ratio) == _params(s4r.ratio_limits.max_ratio)
+    assert _params(fake_apply_threads) == _params(s4r.runtime.threads.apply_threads)
+    assert _params(fake_max_ratio) == _params(s4r.runtime.ratio_limits.max_ratio)
 
 
 def test_fake_profiles_match_real() -> None:
-    real = pytest.importorskip("s4r.profiles")
+    real = pytest.importorskip("s4r.models.profiles")
     fields = set(real.Profile.__dataclass_fields__)
     needed = {"name", "display_name", "source", "hf_id", "context_length", "chat_notes", "architecture"}
     assert needed <= fields

@@ -71,7 +71,7 @@ def test_books_command_lists_the_shipped_books(capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize("command", ["ask", "chat"])
 def test_threads_option_reaches_torch(command: str, book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int | None] = []
-    monkeypatch.setattr(sys.modules["s4r.threads"], "apply_threads",
+    monkeypatch.setattr(sys.modules["s4r.runtime.threads"], "apply_threads",
                         lambda requested, device_type="cpu": seen.append(requested) or 1)
     pipe_stdin(monkeypatch, b"/exit\n")
     args = [command, QUESTION] if command == "ask" else [command]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s4r.budget import KVShape, solve_ranks, token_coef_bytes
-from s4r.coef_bands import decode_tails, encode_tails, parse_band_spec, plan_bands
-from s4r.compress import compress_layer
 from s4r.config import S4RConfig
+from s4r.core.budget import KVShape, solve_ranks, token_coef_bytes
+from s4r.core.coef_bands import decode_tails, encode_tails, parse_band_spec, plan_bands
+from s4r.core.compress import compress_layer
 
 
 def test_spec_parsing_and_errors():

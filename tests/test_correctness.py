@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from s4r.errors import S4RError
-from s4r.generation import forward_tokens, prefill
-from s4r.layers import StagingLayer
-from s4r.lowrank import LowRankLayer
-from s4r.quant_layer import QuantLayer
-from s4r.session import Session
+from s4r.hf.generation import forward_tokens, prefill
+from s4r.layers.full import StagingLayer
+from s4r.layers.lowrank import LowRankLayer
+from s4r.layers.quant import QuantLayer
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 DOC = "The quick brown fox jumps over the lazy dog near the river bank. " * 24

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from s4r.attention import install
-from s4r.budget import KVShape
-from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
-from s4r.generation import forward_tokens, prefill
+from s4r.core.budget import KVShape
+from s4r.core.rope import model_rope_fn
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.generation import forward_tokens, prefill
 from s4r.methods import CompressContext, S4RMethod
-from s4r.rope import model_rope_fn
 from tests.helpers import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -80,7 +80,7 @@ def test_default_method_decodes_in_bf16_on_cuda():
 
 
 def test_random_weights_load_in_4bit_on_cuda():
-    from s4r.random_quant import quantize_linears
+    from s4r.models.random_quant import quantize_linears
 
     model = tiny_model("llama", dtype=torch.bfloat16).to(CUDA)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(4)).to(CUDA)

@@ -17,8 +17,8 @@ from s4r.bench.decode_speed import (
     staged_cache,
     tiled,
 )
-from s4r.generation import forward_tokens
-from s4r.rope import model_rope_fn
+from s4r.core.rope import model_rope_fn
+from s4r.hf.generation import forward_tokens
 from tests.helpers import CharTokenizer, tiny_model
 
 
@@ -89,7 +89,7 @@ def test_lengths_past_the_prefill_tile_it(monkeypatch):
 
 def test_layer_speed_times_every_kernel_on_one_layer():
     from s4r.bench.layer_speed import layer_times
-    from s4r.budget import KVShape
+    from s4r.core.budget import KVShape
 
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(3, 900, 16, generator=g), torch.randn(3, 900, 16, generator=g)
@@ -112,7 +112,7 @@ def test_the_speed_ceiling_counts_the_model_and_every_layer():
 def test_layer_speed_runs_on_a_tiny_model(monkeypatch, capsys):
     from s4r.bench import layer_speed
 
-    monkeypatch.setattr("s4r.loading.load_model", lambda name: tiny_loaded())
+    monkeypatch.setattr("s4r.models.loading.load_model", lambda name: tiny_loaded())
     assert layer_speed.main(["--lengths", "900", "--ratios", "5", "--prefill", "600", "--layers", "0",
                              "--repeats", "2"]) == 0
     out = capsys.readouterr().out

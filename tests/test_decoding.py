@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from s4r.budget import KVShape
+from s4r.core.budget import KVShape
 from s4r.errors import BudgetError
-from s4r.generation import apply_repetition_penalty, loops, repeating_period
+from s4r.hf.generation import apply_repetition_penalty, loops, repeating_period
 from s4r.methods import make_method
-from s4r.ratio_limits import max_ratio, method_max_ratio
-from s4r.session import Session
+from s4r.runtime.ratio_limits import max_ratio, method_max_ratio
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 FOX = "The quick brown fox jumps over the lazy dog. "

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from s4r.attention import install
-from s4r.budget import KVShape
-from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
-from s4r.generation import forward_tokens, prefill
+from s4r.core.budget import KVShape
+from s4r.core.rope import model_rope_fn
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.generation import forward_tokens, prefill
 from s4r.methods import CompressContext, S4RMethod
-from s4r.rope import model_rope_fn
 from tests.helpers import ARCHS, tiny_model
 
 SPACES = ["post_rope", "pre_rope"]

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from s4r.eviction import EvictedLayer
-from s4r.kvzip_scoring import RepeatChunk, RepeatPrompts, ScoringLayer, kvzip_scores, repeat_chunks
+from s4r.layers.eviction import EvictedLayer
 from s4r.methods.kvzip import KVzipMethod, prompt_head, repeat_prompts
+from s4r.methods.kvzip_scoring import RepeatChunk, RepeatPrompts, ScoringLayer, kvzip_scores, repeat_chunks
 from tests.helpers import CharTokenizer
 from tests.test_methods import compressed, model_for, random_ids, staged
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from s4r.attention import MATMUL_MIN_KEYS, causal_attention, causal_mask
-from s4r.coef_bands import decode_tails
-from s4r.compress import compress_layer
 from s4r.config import S4RConfig
-from s4r.latent import latent_logits
-from s4r.layers import head_blocks
+from s4r.core.coef_bands import decode_tails
+from s4r.core.compress import compress_layer
+from s4r.core.latent import latent_logits
+from s4r.hf.attention import MATMUL_MIN_KEYS, causal_attention, causal_mask
+from s4r.layers.full import head_blocks
 
 HEADS, GROUP, DIM = 3, 3, 16
 
@@ -215,7 +215,7 @@ def test_a_chunk_of_queries_attends_causally_and_exactly_at_full_rank(scoring, q
 
 
 def test_relevance_keeps_a_sharp_query_and_forgets_it_slowly():
-    from s4r.selection import decay_factor, update_relevance
+    from s4r.core.selection import decay_factor, update_relevance
 
     decay = decay_factor(4)  # weight halves every 4 queries
     sharp = torch.zeros(1, 2, 1, 5)
@@ -233,14 +233,14 @@ def test_relevance_keeps_a_sharp_query_and_forgets_it_slowly():
 
 def test_the_cast_route_for_int8_coefficients_matches_the_int8_matmul(monkeypatch):
     """GPUs cast int8 coefficients instead of `torch._int_mm` (CPU only): both routes agree."""
-    import s4r.latent
+    import s4r.core.latent
 
     g = gen(11)
     coef = torch.randint(-127, 128, (1, 48, 500), generator=g, dtype=torch.int8)
     scale = torch.rand(1, 500, generator=g) / 100
     q_lat = torch.randn(HEADS, GROUP, 48, generator=g)
     fast = latent_logits(q_lat, coef, scale, 0.5)
-    monkeypatch.setattr(s4r.latent, "int8_matmul_available", lambda device: False)
+    monkeypatch.setattr(s4r.core.latent, "int8_matmul_available", lambda device: False)
     cast = latent_logits(q_lat, coef, scale, 0.5)
     exact = latent_logits(q_lat, coef.float(), scale, 0.5)
     for got in (fast, cast):
@@ -251,8 +251,8 @@ def test_a_full_layer_attends_over_bucketed_spare_rows_exactly():
     """A bf16 decode step over many keys runs on a key count rounded up into the layer's spare rows,
     zeroed the first time they are read (they start uninitialized) or holding forgotten tokens: either
     way masked out, SDPA's attention."""
-    from s4r.attention import KEY_BUCKET
-    from s4r.layers import FullLayer
+    from s4r.hf.attention import KEY_BUCKET
+    from s4r.layers.full import FullLayer
 
     g = gen(3)
     layer = FullLayer()

@@ -7,16 +7,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from s4r.attention import install
-from s4r.budget import KVShape
-from s4r.cache import CompressedCache
 from s4r.config import S4RConfig
+from s4r.core.budget import KVShape
 from s4r.errors import S4RError
-from s4r.generation import prefill
-from s4r.layers import StagingLayer
-from s4r.layerwise import decoder_parts, layerwise_prefill
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.generation import prefill
+from s4r.hf.layerwise import decoder_parts, layerwise_prefill
+from s4r.layers.full import StagingLayer
 from s4r.methods.offline import calibrate, clear_calibrations
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import ARCHS, CharTokenizer, tiny_model
 
 

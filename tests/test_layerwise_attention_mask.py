@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from s4r.attention import additive_causal_mask, causal_attention, causal_mask
+from s4r.hf.attention import additive_causal_mask, causal_attention, causal_mask
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 5, 40])

@@ -7,13 +7,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import s4r.compress as compress_mod
-from s4r.coef_bands import encode_coefficients
-from s4r.compress import compress_layer, compressible_parts, fit_layer_bases, outlier_tokens, token_blocks
+import s4r.core.compress as compress_mod
 from s4r.config import S4RConfig
-from s4r.lowrank import LowRankLayer
-from s4r.session import Session
-from s4r.subspace import fit_basis, hybrid_sample_indices, normalize_rows, project
+from s4r.core.coef_bands import encode_coefficients
+from s4r.core.compress import (
+    compress_layer,
+    compressible_parts,
+    fit_layer_bases,
+    outlier_tokens,
+    token_blocks,
+)
+from s4r.core.subspace import fit_basis, hybrid_sample_indices, normalize_rows, project
+from s4r.layers.lowrank import LowRankLayer
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 HEADS, DIM = 2, 16

@@ -11,7 +11,7 @@ import torch
 from s4r.config import S4RConfig
 from s4r.methods import METHODS
 from s4r.methods.offline import calibrate, clear_calibrations
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 TEXT = "".join(chr(97 + (i * 7919) % 26) for i in range(900))

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from s4r.attention import install
-from s4r.budget import KVShape
-from s4r.cache import CompressedCache
+from s4r.core.budget import KVShape
 from s4r.errors import S4RError
-from s4r.hidden_spill import SPILL_MIN_BYTES, HiddenSpill, filesystem_type, spill_wanted
-from s4r.layerwise import layerwise_prefill
-from s4r.session import Session
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.hidden_spill import SPILL_MIN_BYTES, HiddenSpill, filesystem_type, spill_wanted
+from s4r.hf.layerwise import layerwise_prefill
+from s4r.runtime.session import Session
 from tests.helpers import ARCHS, CharTokenizer, tiny_model
 
 TEXT = "".join(chr(97 + (i * 7919) % 26) for i in range(900))
@@ -187,15 +187,15 @@ def test_auto_spills_long_texts_on_a_cpu_disk(tmp_path):
 
 
 def test_auto_does_not_spill_into_memory(monkeypatch):
-    monkeypatch.setattr("s4r.hidden_spill.filesystem_type", lambda path: "tmpfs")
+    monkeypatch.setattr("s4r.hf.hidden_spill.filesystem_type", lambda path: "tmpfs")
     assert not spill_wanted("auto", 10**6, 576, torch.bfloat16, torch.device("cpu"))
 
 
 def test_auto_session_spills_only_long_texts(temp_dir, monkeypatch):
     loaded = loaded_for(tiny_model("llama"))
     # 64 fp32 values a token: 900 tokens are 225 KiB
-    monkeypatch.setattr("s4r.hidden_spill.SPILL_MIN_BYTES", 100 * 1024)
-    monkeypatch.setattr("s4r.hidden_spill.filesystem_type", lambda path: "ext4")
+    monkeypatch.setattr("s4r.hf.hidden_spill.SPILL_MIN_BYTES", 100 * 1024)
+    monkeypatch.setattr("s4r.hf.hidden_spill.filesystem_type", lambda path: "ext4")
     session = Session(loaded, method="full")
     assert session.ingest(TEXT).hidden_spilled
     assert not session.ingest(TEXT[:200]).hidden_spilled

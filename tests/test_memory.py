@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from s4r.memory import (
+from s4r.core.subspace import relative_residual
+from s4r.runtime.memory import (
     bound_heap_growth,
     peak_memory_bytes,
     process_memory,
@@ -15,7 +16,6 @@ from s4r.memory import (
     reset_peak_memory,
     rss_bytes,
 )
-from s4r.subspace import relative_residual
 
 MIB = 2**20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and glibc are Linux's")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from s4r.bench.merge_runs import load_samples, main, parse_methods, summarize
+from research.merge_runs import load_samples, main, parse_methods, summarize
 
 
 def run(tmp_path, name: str, task: str, scores: dict[str, list[float]]) -> str:

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from s4r.eviction import EvictedLayer
-from s4r.generation import forward_tokens
+from s4r.hf.generation import forward_tokens
+from s4r.layers.eviction import EvictedLayer
 from s4r.methods import METHODS, REGISTRY, OfflineMethod, make_method
 from s4r.methods.offline import clear_calibrations
 from s4r.methods.scorer import ScorerMethod
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 DOC = "".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} fox sat at table {i * 7 % 31}. "

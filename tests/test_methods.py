@@ -12,21 +12,21 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import s4r.compress
-from s4r.attention import install
-from s4r.budget import KVShape
-from s4r.cache import CompressedCache
-from s4r.compress import fit_layer_bases
+import s4r.core.compress
+from s4r.core.budget import KVShape
+from s4r.core.compress import fit_layer_bases
+from s4r.core.rope import model_rope_fn
 from s4r.errors import BudgetError, S4RError
-from s4r.eviction import EvictedLayer, eviction_budget
-from s4r.generation import forward_tokens, prefill
-from s4r.layers import StagingLayer
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.generation import forward_tokens, prefill
+from s4r.layers.eviction import EvictedLayer, eviction_budget
+from s4r.layers.full import StagingLayer
 from s4r.methods import METHODS, CompressContext, OfflineMethod, make_method
 from s4r.methods.offline import clear_calibrations, registered_calibration
 from s4r.methods.snapkv import snapkv_indices
 from s4r.methods.streaming import streaming_indices
-from s4r.rope import model_rope_fn
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 from tests.test_exactness import assert_close, reference_logits
 
@@ -262,7 +262,7 @@ def test_offline_reuses_its_bases_across_prompts(monkeypatch):
     def no_refit(*args, **kwargs):
         raise AssertionError("offline must not fit bases on the prompt")
 
-    monkeypatch.setattr(s4r.compress, "fit_basis", no_refit)
+    monkeypatch.setattr(s4r.core.compress, "fit_basis", no_refit)
     cache_a, info_a = compressed(model, first, method, ratio)
     cache_b, info_b = compressed(model, second, method, ratio)
     # a method built by name (as Session.fork does) finds the registered calibration

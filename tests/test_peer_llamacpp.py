@@ -10,12 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from s4r.bench import peer_gguf
-from s4r.bench.config import parse_lengths as bench_parse_lengths
-from s4r.bench.decode_speed import book_ids as s4r_book_ids
-from s4r.bench.peer_compare import compare
-from s4r.bench.peer_compare import markdown as compare_markdown
-from s4r.bench.peer_llamacpp import (
+from research.peer_compare import compare
+from research.peer_compare import markdown as compare_markdown
+from research.peer_llamacpp import (
     KVShape,
     book_ids,
     build_parser,
@@ -25,9 +22,12 @@ from s4r.bench.peer_llamacpp import (
     row_bytes,
     shape_from_metadata,
 )
-from s4r.budget import KVShape as S4RShape
+from s4r.bench import peer_gguf
+from s4r.bench.config import parse_lengths as bench_parse_lengths
+from s4r.bench.decode_speed import book_ids as s4r_book_ids
+from s4r.core.budget import KVShape as S4RShape
 from s4r.errors import ModelLoadError
-from s4r.profiles import load_profile
+from s4r.models.profiles import load_profile
 from tests.helpers import CharTokenizer
 
 SMOLLM2 = KVShape(layers=30, kv_heads=3, head_dim=64)
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_peer_imports_no_torch():
     # it must run under the llama.cpp venv's python, which has no torch
-    code = ("import sys; import s4r.bench.peer_llamacpp, s4r.bench.peer_gguf, s4r.bench.peer_compare; "
+    code = ("import sys; import research.peer_llamacpp, research.peer_gguf, research.peer_compare; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from s4r.errors import CacheFileError
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 DOC = "The quick brown fox jumps over the lazy dog near the river bank. " * 24

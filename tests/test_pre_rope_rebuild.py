@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from s4r.coef_bands import decode_tails
-from s4r.compress import compress_layer
 from s4r.config import S4RConfig
-from s4r.latent import chunked_latent_logits, latent_logits
-from s4r.layers import head_blocks
-from s4r.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major, shifted
+from s4r.core.coef_bands import decode_tails
+from s4r.core.compress import compress_layer
+from s4r.core.latent import chunked_latent_logits, latent_logits
+from s4r.core.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major, shifted
+from s4r.layers.full import head_blocks
 from tests.helpers import tiny_model
 
 

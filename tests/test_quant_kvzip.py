@@ -5,15 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s4r.budget import KVShape
+from s4r.core.budget import KVShape
+from s4r.core.quantize import (
+    dequantize_groups,
+    pack_bits,
+    quant_bytes_per_token,
+    quantize_groups,
+    unpack_bits,
+)
 from s4r.errors import BudgetError, S4RError
-from s4r.generation import forward_tokens
-from s4r.kvzip_scoring import RepeatChunk, kvzip_scores
+from s4r.hf.generation import forward_tokens
+from s4r.layers.quant import QuantLayer
 from s4r.methods import METHODS, REGISTRY, make_method
 from s4r.methods.kvzip import KVzipMethod, kvzip_indices
+from s4r.methods.kvzip_scoring import RepeatChunk, kvzip_scores
 from s4r.methods.quant import QuantMethod, plan_quant
-from s4r.quant_layer import QuantLayer
-from s4r.quantize import dequantize_groups, pack_bits, quant_bytes_per_token, quantize_groups, unpack_bits
 from tests.helpers import CharTokenizer
 from tests.test_methods import compressed, model_for, random_ids, staged
 
@@ -118,8 +124,8 @@ def test_scoring_forward_matches_a_plain_forward_and_leaves_the_cache_alone():
     assert len(scores) == len(source.layers) and scores[0].shape == (2, 300)
     assert float(scores[0].min()) >= 0.0 and float(scores[0].max()) <= 1.0
     # the same forward through a scoring cache, checked via its last-token logits
-    from s4r.cache import CompressedCache
-    from s4r.kvzip_scoring import ScoringLayer
+    from s4r.hf.cache import CompressedCache
+    from s4r.methods.kvzip_scoring import ScoringLayer
 
     scoring = CompressedCache(len(source.layers), source.shape, query_window=0)
     scoring.layers = [ScoringLayer(layer.keys_view[0], layer.values_view[0]) for layer in source.layers]
@@ -182,7 +188,7 @@ def test_a_method_is_one_registry_line(monkeypatch):
 def test_session_runs_kvzip_from_its_own_prompt():
     from types import SimpleNamespace
 
-    from s4r.session import Session
+    from s4r.runtime.session import Session
 
     loaded = SimpleNamespace(model=model_for(), tokenizer=CharTokenizer(), name="tiny", device="cpu",
                              dtype=torch.float32, context_length=4096)
@@ -196,7 +202,7 @@ def test_session_runs_kvzip_from_its_own_prompt():
 
 def test_quant_reports_its_own_ratio_limit():
     # ratio_limits must ask quant (it has a reserve field but does not evict: ~126x would be wrong)
-    from s4r.ratio_limits import method_max_ratio
+    from s4r.runtime.ratio_limits import method_max_ratio
 
     method = make_method("quant", 2.0)
     best = method_max_ratio(method, SMOL, 4096)

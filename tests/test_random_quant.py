@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from s4r.errors import DeviceError
-from s4r.random_quant import quantize_linears
+from s4r.models.random_quant import quantize_linears
 from tests.helpers import tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -7,7 +7,7 @@ import pytest
 from s4r.bench.scoring import score
 from s4r.bench.tasks import make_samples
 from s4r.errors import CacheFileError
-from s4r.session import Session
+from s4r.runtime.session import Session
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import torch
 
+from research.progress import ElapsedLog, measuring_parser
+from research.rounding_floor import EXACT_TWIN, FloorArm, exact_twin, floor_summary, run_floor
 from s4r.bench.decode_speed import SdpaFullLayer
-from s4r.bench.progress import ElapsedLog, measuring_parser
-from s4r.bench.rounding_floor import EXACT_TWIN, FloorArm, exact_twin, floor_summary, run_floor
-from s4r.session import Session
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer
 from tests.test_methods import model_for
 

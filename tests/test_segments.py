@@ -1,4 +1,4 @@
-"""A long appended text (a second document) gets bases of its own: `s4r.segments`."""
+"""A long appended text (a second document) gets bases of its own: `s4r.layers.segments`."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from s4r.budget import KVShape
-from s4r.compress import compress_layer
 from s4r.config import S4RConfig
-from s4r.latent import merge_partial_attention
-from s4r.lowrank import LowRankLayer
-from s4r.rope import apply_rope, model_rope_fn
-from s4r.segments import SegmentedLayer, settle_appended
-from s4r.session import Session
+from s4r.core.budget import KVShape
+from s4r.core.compress import compress_layer
+from s4r.core.latent import merge_partial_attention
+from s4r.core.rope import apply_rope, model_rope_fn
+from s4r.layers.lowrank import LowRankLayer
+from s4r.layers.segments import SegmentedLayer, settle_appended
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
 HEADS, DIM, Q_HEADS = 2, 16, 4

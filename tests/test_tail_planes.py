@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s4r.coef_bands import decode_tails, encode_tails, plan_bands
-from s4r.tail_planes import PlanarTail, decode_planar, planar_basis, plane_map, plane_order
+from s4r.core.coef_bands import decode_tails, encode_tails, plan_bands
+from s4r.core.tail_planes import PlanarTail, decode_planar, planar_basis, plane_map, plane_order
 
 
 @pytest.mark.parametrize(("rank", "spec"), [(96, "8:2,4:3,2:3"), (13, "8:1,4:3,2:4"), (64, "8:1,4:1"),

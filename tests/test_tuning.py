@@ -6,8 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from s4r.bench.tasks import Sample
-from s4r.bench.tuning import (
+from research.tuning import (
     TUNING_VARIANTS,
     VariantResult,
     answer_fit,
@@ -15,7 +14,8 @@ from s4r.bench.tuning import (
     compare_variants,
     perplexity_gaps,
 )
-from s4r.session import Session
+from s4r.bench.tasks import Sample
+from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer
 from tests.test_methods import model_for
 
@@ -62,7 +62,7 @@ def test_answer_nll_is_the_teacher_forced_loss_and_leaves_the_cache_as_it_was():
 
 
 def test_the_chat_margin_is_measured_after_the_other_question_and_leaves_the_documents():
-    from s4r.bench.two_documents import chat_fit
+    from research.two_documents import chat_fit
 
     loaded = _loaded()
     first = Sample("niah_single_noise", "The grass is green. " * 20, "What colour?", ["green"], "all", None,
@@ -102,7 +102,7 @@ def test_perplexity_gaps_fork_every_variant_from_one_prefill():
 
 
 def test_two_documents_record_each_arms_greedy_answers_for_the_diagnosis():
-    from s4r.bench.two_documents import run_pairs, summary
+    from research.two_documents import run_pairs, summary
 
     notes: list[str] = []
     arms = run_pairs(_loaded(), {"segments": {}}, length=600, samples=1, ratio=2.0, book="romeo-and-juliet",
@@ -114,7 +114,7 @@ def test_two_documents_record_each_arms_greedy_answers_for_the_diagnosis():
 
 
 def test_a_long_chat_asks_every_needle_of_both_documents_in_turn():
-    from s4r.bench.long_chat import chat_questions
+    from research.long_chat import chat_questions
 
     tok = CharTokenizer()
     doc1, doc2, questions = chat_questions(900, 3, 7, lambda s: len(tok.encode(s)), "romeo-and-juliet")
@@ -127,7 +127,7 @@ def test_a_long_chat_asks_every_needle_of_both_documents_in_turn():
 
 
 def test_a_long_chat_scores_every_question_and_keeps_the_ratio_to_the_end():
-    from s4r.bench.long_chat import run_chats, summary
+    from research.long_chat import run_chats, summary
 
     notes: list[str] = []
     arms = run_chats(_loaded(), {"s4r": {}}, length=700, keys=2, pairs=2, ratio=2.0, book="romeo-and-juliet",

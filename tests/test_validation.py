@@ -75,7 +75,7 @@ def test_model_spec_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_loader_dispatches_by_the_same_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from s4r.loading import load_model
+    from s4r.models.loading import load_model
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelLoadError, match="no such file or folder: ./nothing-here"):

@@ -6,10 +6,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from s4r.attention import causal_attention, fold_heads, unfold_heads
-from s4r.budget import KVShape, solve_ranks
-from s4r.compress import compress_layer
 from s4r.config import S4RConfig
+from s4r.core.budget import KVShape, solve_ranks
+from s4r.core.compress import compress_layer
+from s4r.hf.attention import causal_attention, fold_heads, unfold_heads
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
 SCALE = 128**-0.5

@@ -6,13 +6,13 @@ first LAYERS layers (the per-layer pattern repeats; later layers only add compre
 import contextlib
 import sys
 
-import s4r.cache as CA
-import s4r.compress as C
-import s4r.session as S
+import s4r.core.compress as C
+import s4r.hf.cache as CA
+import s4r.runtime.session as S
 from s4r.bench.ingest_memory import passage
-from s4r.loading import load_model
-from s4r.memory import _status_kib, release_freed_memory, reset_peak_memory
-from s4r.session import Session
+from s4r.models.loading import load_model
+from s4r.runtime.memory import _status_kib, release_freed_memory, reset_peak_memory
+from s4r.runtime.session import Session
 
 TOKENS, LAYERS = int(sys.argv[1]), int(sys.argv[3])
 ROPE = float(sys.argv[2]) if sys.argv[2] != "none" else None

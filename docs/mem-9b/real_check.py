@@ -4,8 +4,8 @@ import sys
 import torch
 
 from s4r.books import load_book
-from s4r.loading import load_model
-from s4r.session import Session
+from s4r.models.loading import load_model
+from s4r.runtime.session import Session
 
 torch.set_num_threads(1)
 loaded = load_model('smollm2-135m')

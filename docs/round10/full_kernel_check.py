@@ -1,5 +1,5 @@
 """Round 10: does the full cache's new decode kernel (two bf16 products around an fp32 softmax,
-`s4r.attention.matmul_attention`) give the answers SDPA gave? Per sample, one prefill, then the full cache
+`s4r.hf.attention.matmul_attention`) give the answers SDPA gave? Per sample, one prefill, then the full cache
 with each kernel: the answer NLL (teacher-forced, token by token) and the greedy answer and its score.
 
     python docs/round10/full_kernel_check.py --book romeo-and-juliet --samples 8 --json out.json
@@ -12,13 +12,13 @@ import json
 
 import torch
 
-import s4r.attention as attention
+import s4r.hf.attention as attention
+from research.tuning import answer_nll, paired_gap
 from s4r.bench.intervals import mean_interval
 from s4r.bench.scoring import score
 from s4r.bench.tasks import answer_budget, make_samples
-from s4r.bench.tuning import answer_nll, paired_gap
-from s4r.loading import load_model
-from s4r.session import Session
+from s4r.models.loading import load_model
+from s4r.runtime.session import Session
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Round 10: one decode step's exact attention over 30 layers of SmolLM2's shape (3 KV heads x 64, 9 query
 heads folded per KV head), SDPA against two matrix products around an fp32 softmax
-(`s4r.attention.matmul_attention`), by dtype and key count, one thread. Keys and values are views of
+(`s4r.hf.attention.matmul_attention`), by dtype and key count, one thread. Keys and values are views of
 larger buffers, as a cache's are.
 
     python docs/round10/kernel_microbench.py
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from s4r.attention import matmul_attention
+from s4r.hf.attention import matmul_attention
 
 
 def best_of(fn, repeats: int = 5, inner: int = 4) -> float:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from s4r.bench.tasks import make_samples
-from s4r.cache import staged_tensors
-from s4r.compress import compressible_parts, fit_layer_bases
 from s4r.config import S4RConfig
-from s4r.loading import load_model
-from s4r.session import Session
-from s4r.subspace import normalize_rows
+from s4r.core.compress import compressible_parts, fit_layer_bases
+from s4r.core.subspace import normalize_rows
+from s4r.hf.cache import staged_tensors
+from s4r.models.loading import load_model
+from s4r.runtime.session import Session
 
 
 def residual_share(x: torch.Tensor, basis: torch.Tensor) -> float:

@@ -4,7 +4,7 @@
 
 An oracle that ignores the ratio: text folded into coefficients after compression (the chat turn) keeps
 the given share of its tokens exact as outliers (the default keeps 1%, which rounds to none for a turn).
-Prints document 2's plain and chat margins (`s4r.bench.two_documents`) with the default's settings on the
+Prints document 2's plain and chat margins (`research.two_documents`) with the default's settings on the
 tuning book's pairs of seed 100.
 """
 
@@ -17,14 +17,14 @@ import time
 
 import torch
 
-import s4r.lowrank as lowrank
+import s4r.layers.lowrank as lowrank
+from research.tuning import answer_fit
+from research.two_documents import chat_fit
 from s4r.bench.tasks import make_samples
-from s4r.bench.tuning import answer_fit
-from s4r.bench.two_documents import chat_fit
-from s4r.layers import to_groups
-from s4r.loading import load_model
-from s4r.session import Session
-from s4r.subspace import relative_residual
+from s4r.core.subspace import relative_residual
+from s4r.layers.full import to_groups
+from s4r.models.loading import load_model
+from s4r.runtime.session import Session
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ import torch
 
 from s4r.bench.decode_speed import Fork, book_ids
 from s4r.bench.speed import teacher_force
-from s4r.loading import load_model
-from s4r.session import Session
+from s4r.models.loading import load_model
+from s4r.runtime.session import Session
 
 ARMS = {"extend (default)": {}, "own bases": {"segment_bases": "own"},
         "round 10": {"segment_bases": "own", "segment_budget": "segment"},

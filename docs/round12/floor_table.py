@@ -1,7 +1,7 @@
 """Per task: how far the exact twin moves from the full cache, beside how far S4R does (same samples).
 
 Usage: python docs/round12/floor_table.py FLOOR.json[,FLOOR.json] BENCH.json[,BENCH.json]
-The floor runs (`python -m s4r.bench.rounding_floor`) and the bench runs (`s4r bench --json`) must draw
+The floor runs (`python -m research.rounding_floor`) and the bench runs (`s4r bench --json`) must draw
 the same samples (task, seed, length, book); the full cache's answers are checked to be identical.
 """
 

@@ -10,10 +10,10 @@ import sys
 
 import torch
 
+from research.tuning import TUNING_VARIANTS
 from s4r.bench.tasks import answer_budget, make_samples
-from s4r.bench.tuning import TUNING_VARIANTS
-from s4r.loading import load_model
-from s4r.session import Session
+from s4r.models.loading import load_model
+from s4r.runtime.session import Session
 
 
 def feed(session, sample, answer_ids):

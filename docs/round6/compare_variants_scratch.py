@@ -1,4 +1,4 @@
-"""The scratch runner of the first round-6 tuning runs (v1-v4): `s4r.bench.tuning.compare_variants` with
+"""The scratch runner of the first round-6 tuning runs (v1-v4): `research.tuning.compare_variants` with
 the variants of a JSON file (overrides by name), at 4k tokens of the tuning book, ratio 5 unless told.
 
     OMP_NUM_THREADS=1 python docs/round6/compare_variants_scratch.py \
@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from s4r.bench.tuning import compare_variants
-from s4r.loading import load_model
+from research.tuning import compare_variants
+from s4r.models.loading import load_model
 
 torch.set_num_threads(1)
 with open(sys.argv[1]) as f:

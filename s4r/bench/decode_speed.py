@@ -25,16 +25,15 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from s4r.attention import causal_attention, handoff_plain, install
-from s4r.budget import KVShape
-from s4r.cache import CompressedCache
-from s4r.generation import prefill
-from s4r.layers import FullLayer, StagingLayer
+from s4r.bench.config import parse_lengths
+from s4r.bench.speed import teacher_force
+from s4r.core.budget import KVShape
+from s4r.core.rope import model_rope_fn
+from s4r.hf.attention import causal_attention, handoff_plain, install
+from s4r.hf.cache import CompressedCache
+from s4r.hf.generation import prefill
+from s4r.layers.full import FullLayer, StagingLayer
 from s4r.methods import CompressContext, make_method
-from s4r.rope import model_rope_fn
-
-from .config import parse_lengths
-from .speed import teacher_force
 
 PLAIN = "transformers"
 SDPA_FULL = "full (sdpa)"
@@ -247,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    from s4r.loading import load_model
+    from s4r.models.loading import load_model
 
     kwargs = {"rope_scaling": args.rope_scaling} if args.rope_scaling else {}
     loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, quant=args.quant,

@@ -17,10 +17,15 @@ import time
 
 import torch
 
-from ..hidden_spill import SPILL_MODES
-from ..loading import load_model
-from ..memory import current_memory_bytes, peak_memory_bytes, release_freed_memory, reset_peak_memory
-from ..session import INGEST_MODES, Session
+from s4r.hf.hidden_spill import SPILL_MODES
+from s4r.models.loading import load_model
+from s4r.runtime.memory import (
+    current_memory_bytes,
+    peak_memory_bytes,
+    release_freed_memory,
+    reset_peak_memory,
+)
+from s4r.runtime.session import INGEST_MODES, Session
 
 
 def passage(tokenizer, tokens: int, book: str | None) -> str:

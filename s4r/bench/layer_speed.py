@@ -19,15 +19,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from s4r.attention import causal_attention
-from s4r.budget import KVShape, solve_ranks
-from s4r.compress import compress_layer
+from s4r.bench.config import parse_lengths
+from s4r.bench.decode_speed import book_ids, staged_cache
 from s4r.config import S4RConfig
-from s4r.layers import FullLayer
-from s4r.rope import RopeFn, model_rope_fn
-
-from .config import parse_lengths
-from .decode_speed import book_ids, staged_cache
+from s4r.core.budget import KVShape, solve_ranks
+from s4r.core.compress import compress_layer
+from s4r.core.rope import RopeFn, model_rope_fn
+from s4r.hf.attention import causal_attention
+from s4r.layers.full import FullLayer
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -83,7 +82,7 @@ def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int,
 def model_step_ms(model, repeats: int) -> float:
     """Milliseconds of a decode step of `model` over a 16-token exact cache: the step's cost besides
     attention over a long context (projections, MLPs, the head, every layer's dispatch)."""
-    from s4r.generation import forward_tokens
+    from s4r.hf.generation import forward_tokens
 
     cache = staged_cache(model, list(range(16)))
     cache.compress(lambda i, layer: FullLayer.from_staged(layer))
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    from s4r.loading import load_model
+    from s4r.models.loading import load_model
 
     loaded = load_model(args.model)
     model = loaded.model

@@ -64,7 +64,7 @@ def needle_question(key: str) -> tuple[str, str]:
 def quiz_document(needles: Sequence[tuple[str, str]], haystack: str, context_tokens: int, rng: random.Random,
                   count_tokens: Callable[[str], int]) -> str:
     """A haystack of about ``context_tokens`` tokens with the (key, number) ``needles`` spread evenly over
-    it in the given order (a document of a multi-question chat, `s4r.bench.long_chat`)."""
+    it in the given order (a document of a multi-question chat, `research.long_chat`)."""
     depths = _spread_depths(rng, len(needles))
     facts = [(d, _needle(key, value)) for d, (key, value) in zip(depths, needles, strict=True)]
     hay = Haystack(haystack, rng, context_tokens)

@@ -42,12 +42,12 @@ from s4r.bench.records import (
 from s4r.bench.scoring import score
 from s4r.bench.speed import check_lengths_fit, model_bytes, synchronize, teacher_force
 from s4r.bench.tasks import answer_budget, make_samples
-from s4r.budget import KVShape
-from s4r.chat_format import chat_segments
+from s4r.core.budget import KVShape
 from s4r.errors import BudgetError, S4RError
-from s4r.memory import peak_memory_bytes
 from s4r.methods import make_method
-from s4r.session import ANSWER_HEADROOM, Session
+from s4r.runtime.chat_format import chat_segments
+from s4r.runtime.memory import peak_memory_bytes
+from s4r.runtime.session import ANSWER_HEADROOM, Session
 
 __all__ = ["BenchRunner", "run_bench"]
 
@@ -57,7 +57,7 @@ def _combo_label(method: str, ratio: float) -> str:
 
 
 class BenchRunner:
-    """Runs a benchmark of one loaded model. `loaded` is an s4r.loading.LoadedModel or look-alike."""
+    """Runs a benchmark of one loaded model. `loaded` is an s4r.models.loading.LoadedModel or look-alike."""
 
     def __init__(self, loaded: Any, config: BenchConfig, hooks: BenchHooks | None = None, *,
                  random_weights: bool = False) -> None:

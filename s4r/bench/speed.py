@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from s4r.budget import KVShape
+from s4r.core.budget import KVShape
 from s4r.errors import DeviceError
-from s4r.generation import forward_tokens
+from s4r.hf.generation import forward_tokens
 from s4r.units import gib
 
 __all__ = [

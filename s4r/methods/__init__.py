@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .base import CompressContext, Method, settings_of
-from .full import FullMethod
-from .kvzip import KVzipMethod
-from .offline import OfflineMethod
-from .quant import QuantMethod
-from .s4r import S4RFastMethod, S4RMethod, S4RPaperMethod
-from .snapkv import SnapKVMethod
-from .streaming import StreamingMethod
-from .svd import SVDMethod
+from s4r.methods.base import CompressContext, Method, settings_of
+from s4r.methods.full import FullMethod
+from s4r.methods.kvzip import KVzipMethod
+from s4r.methods.offline import OfflineMethod
+from s4r.methods.quant import QuantMethod
+from s4r.methods.s4r import S4RFastMethod, S4RMethod, S4RPaperMethod
+from s4r.methods.snapkv import SnapKVMethod
+from s4r.methods.streaming import StreamingMethod
+from s4r.methods.svd import SVDMethod
 
 Builder = Callable[[float, "dict[str, Any] | None"], Method]
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol
 
-from ..cache import CompressedCache
-from ..rope import RopeFn
+from s4r.core.rope import RopeFn
+from s4r.hf.cache import CompressedCache
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..cache import CompressedCache
-from ..layers import FullLayer
-from .base import CompressContext, OwnSettings
+from s4r.hf.cache import CompressedCache
+from s4r.layers.full import FullLayer
+from s4r.methods.base import CompressContext, OwnSettings
 
 
 @dataclass

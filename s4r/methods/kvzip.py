@@ -1,7 +1,7 @@
 """`kvzip`: query-agnostic eviction by context-reconstruction scores (KVzip, arXiv 2505.23416).
 
 Per KV head, keep the prompt tokens the "repeat the context" queries attend to most (see
-`s4r.kvzip_scoring`); the prompt's head (the chat template's system part, as KVzip never evicts the
+`s4r.methods.kvzip_scoring`); the prompt's head (the chat template's system part, as KVzip never evicts the
 system prompt) and the attention sinks always among them. The budget is the evicting methods'
 `floor(T / ratio) - reserve` tokens per head, the head counted inside it. Against the paper: the same
 budget for every head and layer (KVzip's default spreads one threshold over all of them; ragged heads
@@ -17,13 +17,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..cache import CompressedCache
-from ..chat_format import chat_segments
-from ..errors import S4RError
-from ..kvzip_scoring import RepeatPrompts, kvzip_scores, repeat_chunks
-from ..layers import StagingLayer
-from .base import CompressContext
-from .scorer import ScorerMethod, keep_top, protect_first
+from s4r.errors import S4RError
+from s4r.hf.cache import CompressedCache
+from s4r.layers.full import StagingLayer
+from s4r.methods.base import CompressContext
+from s4r.methods.kvzip_scoring import RepeatPrompts, kvzip_scores, repeat_chunks
+from s4r.methods.scorer import ScorerMethod, keep_top, protect_first
+from s4r.runtime.chat_format import chat_segments
 
 # KVzip's own requests (its `self_task`), in the model's chat format
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."

@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from ..attention import install
-from ..budget import KVShape, group_shape
-from ..cache import CompressedCache, staged_tensors
-from ..compress import LayerBases, compress_layer, fit_layer_bases
-from ..config import S4RConfig
-from ..errors import S4RError
-from ..generation import prefill
-from ..rope import model_rope_fn
-from .base import CompressContext
-from .s4r import S4RMethod, plan_ranks
+from s4r.config import S4RConfig
+from s4r.core.budget import KVShape, group_shape
+from s4r.core.compress import LayerBases, compress_layer, fit_layer_bases
+from s4r.core.rope import model_rope_fn
+from s4r.errors import S4RError
+from s4r.hf.attention import install
+from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.hf.generation import prefill
+from s4r.methods.base import CompressContext
+from s4r.methods.s4r import S4RMethod, plan_ranks
 
 CALIBRATION_BOOK = "romeo-and-juliet"
 CALIBRATION_TOKENS = 2048
@@ -33,7 +33,7 @@ CALIBRATION_TOKENS = 2048
 
 def default_calibration_text() -> str:
     """The calibration text used when none is given: Romeo and Juliet, shipped in the package."""
-    from ..books import load_book  # lazy: only the default text needs the books
+    from s4r.books import load_book  # lazy: only the default text needs the books
 
     return load_book(CALIBRATION_BOOK)
 

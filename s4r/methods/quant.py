@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..budget import KVShape
-from ..cache import CompressedCache, staged_tensors
-from ..errors import BudgetError
-from ..quant_layer import QuantLayer
-from ..quantize import PACKABLE_BITS, quant_bytes_per_token
-from .base import CompressContext, OwnSettings
+from s4r.core.budget import KVShape
+from s4r.core.quantize import PACKABLE_BITS, quant_bytes_per_token
+from s4r.errors import BudgetError
+from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.layers.quant import QuantLayer
+from s4r.methods.base import CompressContext, OwnSettings
 
 KEY_GROUPS: tuple[int, ...] = (32, 64, 128)
 

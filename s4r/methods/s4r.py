@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..budget import KVShape, allocate_ranks, group_shape, solve_ranks
-from ..cache import CompressedCache, staged_tensors
-from ..compress import compress_layer, fit_layer_bases
-from ..config import S4RConfig
-from .base import CompressContext
+from s4r.config import S4RConfig
+from s4r.core.budget import KVShape, allocate_ranks, group_shape, solve_ranks
+from s4r.core.compress import compress_layer, fit_layer_bases
+from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.methods.base import CompressContext
 
 
 def energy_ranks(cfg: S4RConfig) -> bool:

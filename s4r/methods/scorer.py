@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..cache import CompressedCache
-from ..eviction import EvictedLayer, eviction_budget
-from ..layers import StagingLayer
-from .base import CompressContext, OwnSettings
+from s4r.hf.cache import CompressedCache
+from s4r.layers.eviction import EvictedLayer, eviction_budget
+from s4r.layers.full import StagingLayer
+from s4r.methods.base import CompressContext, OwnSettings
 
 
 def keep_top(scores: torch.Tensor, budget: int) -> torch.Tensor:

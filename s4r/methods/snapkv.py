@@ -7,9 +7,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..layers import StagingLayer
-from ..selection import pool_scores
-from .scorer import ScorerMethod, keep_top
+from s4r.core.selection import pool_scores
+from s4r.layers.full import StagingLayer
+from s4r.methods.scorer import ScorerMethod, keep_top
 
 
 def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..layers import StagingLayer
-from .scorer import ScorerMethod, keep_top, protect_first
+from s4r.layers.full import StagingLayer
+from s4r.methods.scorer import ScorerMethod, keep_top, protect_first
 
 
 def streaming_scores(tokens: int, budget: int, sinks: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import S4RConfig
-from .s4r import S4RMethod
+from s4r.config import S4RConfig
+from s4r.methods.s4r import S4RMethod
 
 # what makes `svd` itself: every token goes into the SVD, as it is
 SVD_SETTINGS: dict[str, Any] = {"sample_tokens": None, "normalize": False}

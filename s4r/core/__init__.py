@@ -1,0 +1,1 @@
+"""The S4R method as plain tensor functions: sampling, bases, bands, selection, latent attention, ratios."""

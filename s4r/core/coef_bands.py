@@ -1,0 +1,158 @@
+"""Coefficient bands: the leading coefficients in int8, the next ones in 4 and 2 bits (pure tensor functions).
+
+An SVD basis orders its columns by energy, so the coefficients of a token shrink along the rank: giving
+every column the same 8 bits (or cutting the rank where the bytes run out) spends bits where they buy
+little. Transform coding spends them by variance instead: the first columns in int8 (they also score
+tokens in latent space), the next ones in 4 bits, the tail in 2 bits. At the same bytes this keeps about
+twice the rank of int8 coefficients (measured effect on answers and perplexity: docs/notes-round3.md).
+
+The int8 band is stored as before (symmetric, per-token absmax scale, token axis where the latent
+logits want it). Each lower band is a uniform mid-rise quantizer per token with a step proportional to
+the band's RMS (Max's optimal uniform step for a Gaussian source), codes packed in uint8; its rows are
+only ever rebuilt for the tokens a decode step selects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from s4r.core.quantize import pack_bits
+from s4r.core.subspace import quantize_int8
+
+if TYPE_CHECKING:
+    from s4r.config import S4RConfig
+
+# Max (1960): MSE-optimal step of a uniform quantizer for a unit Gaussian, by bit width
+GAUSSIAN_STEP = {2: 0.9957, 4: 0.3352}
+LOW_BITS = tuple(GAUSSIAN_STEP)
+
+
+@dataclass(frozen=True)
+class BandPlan:
+    """Widths of the int8 lead band and of each lower band (bits, width) of one rank."""
+
+    lead: int
+    tails: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return self.lead + sum(w for _, w in self.tails)
+
+    @property
+    def tail_bytes(self) -> int:
+        """Packed code bytes per token and basis group of the lower bands."""
+        return sum(w * bits // 8 for bits, w in self.tails)
+
+    @property
+    def tail_count(self) -> int:
+        return len(self.tails)
+
+
+def parse_band_spec(spec: str) -> tuple[tuple[int, float], ...]:
+    """'8:1,4:3,2:4' -> ((8, 1.0), (4, 3.0), (2, 4.0)): bit widths and their relative shares of the rank.
+
+    The first entry must be 8 bits (the scoring band); the others 4 or 2 bits, in decreasing order."""
+    parts: list[tuple[int, float]] = []
+    for item in spec.split(","):
+        bits_text, _, share_text = item.strip().partition(":")
+        try:
+            bits, share = int(bits_text), float(share_text)
+        except ValueError:
+            raise ValueError(f"bad coefficient band '{item}' in '{spec}' (want bits:share, e.g. 8:1,4:3,2:4)"
+                             ) from None
+        if share <= 0:
+            raise ValueError(f"coefficient band share must be positive in '{spec}'")
+        parts.append((bits, share))
+    if not parts or parts[0][0] != 8:
+        raise ValueError(f"the first coefficient band must be 8 bits, got '{spec}'")
+    tails = [b for b, _ in parts[1:]]
+    ordered = tails == sorted(set(tails), reverse=True)
+    if any(b not in LOW_BITS for b in tails) or not ordered:
+        raise ValueError(f"lower coefficient bands must be 4 then 2 bits, got '{spec}'")
+    return tuple(parts)
+
+
+def plan_bands(rank: int, spec: str | None) -> BandPlan:
+    """Split `rank` columns into bands by the shares of `spec` (None: one int8 band of `rank`).
+
+    Lower bands are rounded down to whole bytes (4-bit widths even, 2-bit widths a multiple of 4);
+    what rounding frees goes to the int8 band, which always keeps at least one column."""
+    if spec is None:
+        return BandPlan(rank)
+    parts = parse_band_spec(spec)
+    total = sum(share for _, share in parts)
+    tails = []
+    for bits, share in parts[1:]:
+        per_byte = 8 // bits
+        width = int(rank * share / total) // per_byte * per_byte
+        if width:
+            tails.append((bits, width))
+    lead = rank - sum(w for _, w in tails)
+    while lead < 1 and tails:  # tiny ranks: give the int8 band a column back
+        bits, width = tails[-1]
+        width -= 8 // bits
+        tails = tails[:-1] + ([(bits, width)] if width else [])
+        lead = rank - sum(w for _, w in tails)
+    return BandPlan(max(lead, 1), tuple(tails))
+
+
+def encode_tails(coef: torch.Tensor, plan: BandPlan,
+                 step_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower bands of coefficients `coef` [G, N, rank] (fp32): packed codes uint8 [G, N, tail_bytes] and
+    steps [G, N, tail_count] in `step_dtype`."""
+    g, n, _ = coef.shape
+    codes, steps = [], []
+    at = plan.lead
+    for bits, width in plan.tails:
+        band = coef[..., at : at + width].float()
+        at += width
+        half = (1 << bits) / 2  # mid-rise levels at (c - half + 0.5) * step, c in [0, 2^bits)
+        step = band.pow(2).mean(dim=-1, keepdim=True).sqrt().mul_(GAUSSIAN_STEP[bits]).clamp_min_(1e-12)
+        step = step.to(step_dtype).float().clamp_min_(1e-12)  # quantize against the step that is stored
+        c = torch.floor(band / step + half).clamp_(0, 2 * half - 1)
+        codes.append(pack_bits(c, bits))
+        steps.append(step)
+    if not codes:
+        return coef.new_empty(g, n, 0, dtype=torch.uint8), coef.new_empty(g, n, 0, dtype=step_dtype)
+    return torch.cat(codes, dim=-1), torch.cat(steps, dim=-1).to(step_dtype)
+
+
+def decode_tails(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> torch.Tensor:
+    """Inverse of `encode_tails` up to the rounding: fp32 coefficients [..., rank - lead].
+
+    Codes are unpacked with scalar shifts on the uint8 bytes (a table lookup through int64 indices was
+    twice as slow: this runs on every selected token of every layer at each decode step)."""
+    out, at = [], 0
+    for j, (bits, width) in enumerate(plan.tails):
+        nbytes, per = width * bits // 8, 8 // bits
+        packed = codes[..., at : at + nbytes]
+        at += nbytes
+        mask = (1 << bits) - 1
+        parts = [(packed >> shift) & mask if shift else packed & mask for shift in range(0, 8, bits)]
+        c = torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], nbytes * per)
+        half = (1 << bits) / 2
+        out.append(c.float().sub_(half - 0.5).mul_(steps[..., j : j + 1].float()))
+    if not out:
+        return codes.new_empty(*codes.shape[:-1], 0, dtype=torch.float32)
+    return torch.cat(out, dim=-1)
+
+
+Encoded = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def encode_coefficients(coef: torch.Tensor, cfg: S4RConfig, dtype: torch.dtype,
+                        values: bool = False) -> Encoded:
+    """fp32 key (or value) coefficients [G, N, r] as stored: (lead codes, int8 scales or None, lower-band
+    codes or None, their steps or None). Without bands the lead is every column (int8 or the model
+    dtype)."""
+    if cfg.coef_dtype != "int8":
+        return coef.to(dtype), None, None, None
+    plan = plan_bands(coef.shape[-1], cfg.band_spec(values))
+    lead, scale = quantize_int8(coef[..., : plan.lead], dtype)
+    if not plan.tails:
+        return lead, scale, None, None
+    codes, steps = encode_tails(coef, plan, dtype)
+    return lead, scale, codes, steps

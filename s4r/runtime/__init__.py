@@ -1,0 +1,1 @@
+"""A session: ingest documents, answer questions, save and load, memory and speed figures."""
