@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from research import peer_gguf
 from research.peer_compare import compare
 from research.peer_compare import markdown as compare_markdown
 from research.peer_llamacpp import (
@@ -22,7 +23,6 @@ from research.peer_llamacpp import (
     row_bytes,
     shape_from_metadata,
 )
-from s4r.bench import peer_gguf
 from s4r.bench.config import parse_lengths as bench_parse_lengths
 from s4r.bench.decode_speed import book_ids as s4r_book_ids
 from s4r.core.budget import KVShape as S4RShape

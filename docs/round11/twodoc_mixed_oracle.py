@@ -4,7 +4,8 @@
         '{"d2lossless": [{}, {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0}]}'
 
 Each arm gives S4R overrides for document 1 (the fork's settings) and for document 2's segment (patched
-into `s4r.layers.segments.new_segment`); an empty dict for document 2 means the solver's ranks. Per pair it prints
+into `s4r.layers.segments.new_segment`); an empty dict for document 2 means the solver's ranks.
+Per pair it prints
 document 2's plain and chat margins (`research.two_documents`) for the full cache and each arm; at the end
 the mean chat-margin gap to the full cache. Ran with the round-10 segment budget (each segment 1/ratio of
 its own tokens).
