@@ -4,12 +4,12 @@ An SVD basis orders its columns by energy, so the coefficients of a token shrink
 every column the same 8 bits (or cutting the rank where the bytes run out) spends bits where they buy
 little. Transform coding spends them by variance instead: the first columns in int8 (they also score
 tokens in latent space), the next ones in 4 bits, the tail in 2 bits. At the same bytes this keeps about
-twice the rank of int8 coefficients (measured effect on answers and perplexity: docs/notes-round3.md).
+twice the rank of int8 coefficients (measured effect: docs/design.md, "Coefficient bands").
 
-The int8 band is stored as before (symmetric, per-token absmax scale, token axis where the latent
-logits want it). Each lower band is a uniform mid-rise quantizer per token with a step proportional to
-the band's RMS (Max's optimal uniform step for a Gaussian source), codes packed in uint8; its rows are
-only ever rebuilt for the tokens a decode step selects.
+The int8 band is stored as plain int8 coefficients are (symmetric, per-token absmax scale, token axis
+where the latent logits want it). Each lower band is a uniform mid-rise quantizer per token with a step
+proportional to the band's RMS (Max's optimal uniform step for a Gaussian source), codes packed in
+uint8; its rows are only ever rebuilt for the tokens a decode step selects.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def encode_tails(coef: torch.Tensor, plan: BandPlan,
 def decode_tails(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> torch.Tensor:
     """Inverse of `encode_tails` up to the rounding: fp32 coefficients [..., rank - lead].
 
-    Codes are unpacked with scalar shifts on the uint8 bytes (a table lookup through int64 indices was
+    Codes are unpacked with scalar shifts on the uint8 bytes (a table lookup through int64 indices is
     twice as slow: this runs on every selected token of every layer at each decode step)."""
     out, at = [], 0
     for j, (bits, width) in enumerate(plan.tails):

@@ -1,9 +1,10 @@
 """Appended documents with bases of their own: a cache layer made of S4R segments.
 
 The first document's bases are fitted on its own tokens. A second document (`/read`, a second
-`--file`) folded into them loses most of what those bases do not span: in round 3 its needle's answer
-NLL rose +0.78 nats over the full cache while the first document's stayed at +0.0. So a large append
-is collected exact in the buffer while it is prefilled (`LowRankLayer.collecting`) and then settled
+`--file`) folded into them loses most of what those bases do not span: its needle's answer NLL rises
+far above the full cache's while the first document's stays level (docs/design.md, "Appended
+documents"). So a large append is collected exact in the buffer while it is prefilled
+(`LowRankLayer.collecting`) and then settled
 (`settle_appended`): compressed like a fresh document (hybrid sample, SVD, banded coefficients,
 outliers) into a segment with its own bases, at ranks the budget solver gives its own token count, so
 each segment keeps the ratio and so does the layer. Short appends (a chat turn, a small file) still
@@ -234,7 +235,8 @@ def unspent_bytes(layer: CacheLayer, shape: KVShape, tokens: int) -> float:
     """Bytes the layer's first `tokens` tokens may still take under the ratio, beyond what they hold with
     the buffer emptied: the room their plan kept for a full buffer of new tokens (which a new last segment
     takes over, with its own room) and the rank solver's rounding. A new segment may spend them, so two
-    documents keep the ratio together instead of each keeping it alone (round 10: x5.96 at 5x)."""
+    documents keep the ratio together instead of each keeping it alone (which stores less than the ratio
+    allows)."""
     last = layer.last if isinstance(layer, SegmentedLayer) else layer
     if last.cfg.ratio is None or last.cfg.segment_budget != "layer":  # explicit ranks: no budget to share
         return 0.0

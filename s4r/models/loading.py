@@ -32,7 +32,7 @@ from s4r.validation import check_rope_scaling, model_spec_kind
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# the names callers have always imported from here, wherever they now live
+# the loading API in one import, whichever module defines each name
 __all__ = ["QUANTS", "LoadedModel", "build_config", "cpu_supports_bf16", "embedded_model_dir", "load_model",
            "models_dir", "resolve_device", "resolve_dtype", "s4r_home"]
 
