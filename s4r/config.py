@@ -167,7 +167,7 @@ class S4RConfig:
             raise ValueError("pool_kernel must be a positive odd number")
         for spec in (self.coef_bands, self.value_bands):
             if spec is not None:
-                from s4r.core.coef_bands import parse_band_spec
+                from s4r.core.band_plan import parse_band_spec
 
                 parse_band_spec(spec)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:

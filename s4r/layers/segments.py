@@ -20,7 +20,7 @@ where the queries are (`query_end`), since its own length is not.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from s4r.errors import BudgetError
 from s4r.hf.attention import handoff
 from s4r.layers.full import CacheLayer
 from s4r.layers.lowrank import LowRankLayer
+
+if TYPE_CHECKING:
+    from s4r.hf.cache import CompressedCache
 
 
 class SegmentedLayer(CacheLayer):
@@ -242,6 +245,17 @@ def unspent_bytes(layer: CacheLayer, shape: KVShape, tokens: int) -> float:
         return 0.0
     held = layer.nbytes() - last.buffered * shape.full_bytes_per_token()
     return max(0.0, tokens * shape.full_bytes_per_token() / last.cfg.ratio - held)
+
+
+def settle_layer(cache: CompressedCache, i: int) -> None:
+    """Layer `i` of `cache` has the whole appended text: store it (a segment of its own, or folded)."""
+    cache.layers[i] = settle_appended(cache.layers[i], cache.shape)
+
+
+def settle_cache(cache: CompressedCache) -> None:
+    """Settle every layer after appending a text (oversized buffers folded into coefficients)."""
+    for i in range(len(cache.layers)):
+        settle_layer(cache, i)
 
 
 def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
