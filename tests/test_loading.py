@@ -112,9 +112,11 @@ def test_unknown_profile_lists_known_ones() -> None:
         load_model("no-such-model", device="cpu")
 
 
-def test_profiles_dir_is_repo_top_level() -> None:
-    assert profiles_dir() == Path(loading.__file__).resolve().parents[2] / "profiles"
-    assert (profiles_dir() / "smollm2-135m.toml").is_file()
+def test_profiles_ship_inside_the_package() -> None:
+    import s4r
+
+    assert profiles_dir() == Path(s4r.__file__).resolve().parent / "profiles"
+    assert {p.stem for p in profiles_dir().glob("*.toml")} == EXPECTED_PROFILES
 
 
 # ---------------------------------------------------------------------------------------------------------
