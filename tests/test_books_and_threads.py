@@ -78,8 +78,8 @@ def test_nothing_needs_the_shared_folder() -> None:
     """README, tests, package and CI must work on a clone with nothing beside it."""
     offenders = []
     for path in [REPO_ROOT / "README.md", REPO_ROOT / "BENCHMARKS.md", REPO_ROOT / ".ci" / "run",
-                 *REPO_ROOT.glob("docs/*.md"), *REPO_ROOT.glob("s4r/**/*.py"),
-                 *REPO_ROOT.glob("s4r_cli/*.py"), *REPO_ROOT.glob("tests/*.py"), *REPO_ROOT.glob("research/*.py")]:
+                 *REPO_ROOT.glob("docs/*.md"), *REPO_ROOT.glob("s4r/**/*.py"), *REPO_ROOT.glob("s4r_cli/*.py"),
+                 *REPO_ROOT.glob("tests/*.py"), *REPO_ROOT.glob("research/*.py")]:
         if path.name == Path(__file__).name:
             continue
         text = path.read_text(encoding="utf-8")
