@@ -77,9 +77,9 @@ def test_unknown_book_names_the_known_ones(no_books_dir: None) -> None:
 def test_nothing_needs_the_shared_folder() -> None:
     """README, tests, package and CI must work on a clone with nothing beside it."""
     offenders = []
+    globs = ("docs/*.md", "s4r/**/*.py", "s4r_cli/*.py", "tests/*.py", "research/*.py")
     for path in [REPO_ROOT / "README.md", REPO_ROOT / "BENCHMARKS.md", REPO_ROOT / ".ci" / "run",
-                 *REPO_ROOT.glob("docs/*.md"), *REPO_ROOT.glob("s4r/**/*.py"), *REPO_ROOT.glob("s4r_cli/*.py"),
-                 *REPO_ROOT.glob("tests/*.py"), *REPO_ROOT.glob("research/*.py")]:
+                 *(p for pattern in globs for p in REPO_ROOT.glob(pattern))]:
         if path.name == Path(__file__).name:
             continue
         text = path.read_text(encoding="utf-8")
