@@ -1,4 +1,4 @@
-"""A long chat over two documents: is the last question answered as well as the first? (issue 7, item 5)
+"""A long chat over two documents: is the last question answered as well as the first?
 
     python -m research.long_chat --book romeo-and-juliet --pairs 12 --seed 50 --json out.json
 
@@ -31,7 +31,7 @@ from s4r.runtime.session import Session
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "s4r": {},
-    # the second document's bases fitted on it alone (rounds 4-10 and round 11's first step)
+    # the second document's bases fitted on it alone, not extending the first's
     "own-bases": {"segment_bases": "own"},
 }
 

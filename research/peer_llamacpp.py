@@ -1,4 +1,4 @@
-"""llama.cpp's decode speed on the document, model file and thread count of `decode_speed` (issue 8's peer).
+"""llama.cpp's decode speed on the document, model file and thread count of `decode_speed` (a peer).
 
     python3 -m venv ~/llamacpp-venv && ~/llamacpp-venv/bin/pip install llama-cpp-python    # once
     ~/llamacpp-venv/bin/python -m research.peer_llamacpp --lengths 2k,4k,7600 --kv f16,q8_0,q4_0 \\

@@ -1,11 +1,11 @@
-"""How far greedy scores move between two exact caches: the noise floor under a task's bar (issue 7).
+"""How far greedy scores move between two exact caches: the noise floor under a task's bar.
 
     python -m research.rounding_floor --tasks variable_tracking --samples 20 --seed 0 \
         --book romeo-and-juliet --methods s4r@5 --json out.json
 
 Per sample, one prefill is forked into the full cache (the reference of every comparison), a second
 exact cache that differs from it only in rounding (`full (sdpa)`: the same keys and values attended
-through SDPA, the exact kernel of rounds 5-9, instead of bf16 matrix products), and each `--methods`
+through SDPA alone instead of bf16 matrix products), and each `--methods`
 entry. Every arm answers greedily, as `s4r bench` does. A task whose score moves as much between the two
 exact caches as between the full cache and a compressed one measures rounding there, not compression:
 near-ties in the model's choices (a list's bullet or a sentence, which filler line comes next) decide

@@ -146,16 +146,16 @@ def compare_variants(loaded: Any, variants: dict[str, dict[str, Any]], *, tasks:
     return results
 
 
-# the storage variants measured for the ratio-5 default (docs/notes-issue-7.md: round 2, on plain int8
-# coefficients with 5% outliers; docs/notes-round3.md: the coefficient bands)
+# storage and decode variants of the ratio-5 default, each a set of S4RConfig overrides; docs/design.md
+# says which of them chose a default and why
 TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    "int8+out0.05": {"coef_bands": None, "outlier_fraction": 0.05},  # the round-2 default
+    "int8+out0.05": {"coef_bands": None, "outlier_fraction": 0.05},  # plain int8
     "int8+out0.15": {"coef_bands": None, "outlier_fraction": 0.15},
     "bands134+out0.02": {"coef_bands": "8:1,4:3,2:4", "outlier_fraction": 0.02},
     "bands134+out0.05": {"coef_bands": "8:1,4:3,2:4", "outlier_fraction": 0.05},
     "bands134+out0.10": {"coef_bands": "8:1,4:3,2:4", "outlier_fraction": 0.10},
-    "bands233+out0.03": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.03},  # the round-3 default
+    "bands233+out0.03": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.03},
     "bands233+out0.06": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.06},
     "bands233+out0.08": {"coef_bands": "8:2,4:3,2:3", "outlier_fraction": 0.08},
     "attn-outliers": {"outlier_score": "attention"},
@@ -167,8 +167,8 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "outliers=0.12": {"outlier_fraction": 0.12},
     "outliers=0.15": {"outlier_fraction": 0.15},
     "outliers=0.10+ks0.65": {"outlier_fraction": 0.10, "key_share": 0.65},
-    # round 6: the key space (docs/notes-round6.md); the default's key_share was 0.5 then
-    "post-rope": {"key_space": "post_rope", "outlier_fraction": 0.03, "key_share": 0.5},  # rounds 3-5 default
+    # the key space: post-RoPE as `s4r-fast` stores it, pre-RoPE with several outlier shares
+    "post-rope": {"key_space": "post_rope", "outlier_fraction": 0.03, "key_share": 0.5},
     "pre-rope": {"key_space": "pre_rope", "outlier_fraction": 0.03},
     "pre-rope+out0": {"key_space": "pre_rope", "outlier_fraction": 0.0},
     "pre-rope+out0.01": {"key_space": "pre_rope", "outlier_fraction": 0.01},
@@ -193,15 +193,14 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "pre-rope+recon1": {"key_space": "pre_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0},
     "post-rope+recon1": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_fraction": 1.0,
                          "key_share": 0.5},
-    # round 7: where multi-value answers are lost at ratio 5 (ranks 96/97 of 192 at 4k): oracles that
+    # where multi-value answers are lost at ratio 5: oracles that
     # store one kind losslessly (model-dtype coefficients at full rank, no outliers); they ignore the ratio
     "recon1": {"recon_fraction": 1.0},
     "oracle-lossless": {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
     "oracle-v97": {"rank_k": 192, "rank_v": 97, "coef_dtype": "model", "outlier_fraction": 0.0},
     "oracle-k96": {"rank_k": 96, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
     "oracle-int8bands": {"rank_k": 192, "rank_v": 192, "outlier_fraction": 0.0},
-    # the oracles put the loss in the values' rank: move bytes from keys to values (0.4 is the default
-    # since; "ks0.5" is round 6's default)
+    # the oracles put the loss in the values' rank: move bytes from keys to values (0.4 is the default)
     "ks0.5": {"key_share": 0.5},
     "ks0.45": {"key_share": 0.45},
     "ks0.4": {"key_share": 0.4},
@@ -212,7 +211,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "ks0.35+v134": {"key_share": 0.35, "value_bands": "8:1,4:3,2:4"},
     "ks0.4+v143": {"key_share": 0.4, "value_bands": "8:1,4:4,2:3"},
     "ks0.4+v17": {"key_share": 0.4, "value_bands": "8:1,4:7"},
-    # round 8: is the multi-value and frequent-words loss the choice of tokens (recon_cap) or storage?
+    # is the multi-value and frequent-words loss the choice of tokens (recon_cap) or storage?
     "cap0.4": {"recon_cap": 0.4},  # at ratio 2.5: the paper's fraction 1/ratio
     "recon0.3": {"recon_fraction": 0.3},  # at ratio 5: more than 1/ratio
     "recon0.4": {"recon_fraction": 0.4},
@@ -225,10 +224,10 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "chunk128": {"rope_chunk": 128},
     "scoring-max": {"scoring": "max"},
     # an adaptive budget: more tokens while a query row would drop more than this much attention
-    # (round 8; the default since, up to 2/ratio): "fixed" is the share of rounds 6-7
+    # (the default, up to 2/ratio); "fixed": a fixed share
     "fixed": {"recon_drop": None},
-    # (round 9) a step's rebuild capped in tokens: the adaptive budget's work grows with the context. The
-    # default since: 10,240/R tokens; "uncapped" is round 8's default
+    # a step's rebuild capped in tokens: the adaptive budget's work grows with the context. The
+    # default: 10,240/R tokens; "uncapped": no cap
     "uncapped": {"recon_token_cap": 0},
     "tokens1024": {"recon_token_cap": 1024},
     "tokens2048": {"recon_token_cap": 2048},
@@ -241,11 +240,10 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "drop0.01": {"recon_drop": 0.01},
     "drop0.02+max1": {"recon_drop": 0.02, "recon_max": 1.0},
     "recon0.5": {"recon_fraction": 0.5},
-    # (round 10) the selected keys rebuilt in the model's dtype (bf16: the default since) or, as in rounds
-    # 6-9, in fp32
+    # the selected keys rebuilt in the model's dtype (the default) or in fp32
     "rebuild-fp32": {"rebuild_dtype": "float32"},
-    # (round 11) the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept
-    # exact as sinks: about half of the 1% outliers went to it. Measured as a wash (docs/notes-round11.md)
+    # the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept exact as
+    # sinks: about half of the 1% outliers go to it (docs/design.md)
     "sinks24": {"sinks": 24},
 }
 

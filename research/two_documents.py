@@ -27,22 +27,22 @@ from s4r.bench.tasks import Sample, answer_budget, make_samples
 from s4r.runtime.session import Session
 
 # what a second document's storage is compared with: bases of its own (the default) or folded into the
-# first document's (round 3)
+# first document's
 VARIANTS: dict[str, dict[str, Any]] = {
     "segments": {},
-    # (round 11) rounds 4-10: each segment kept 1/ratio of its own tokens with bases of its own (the default
-    # now shares the layer's budget, and document 2's bases extend document 1's)
+    # each segment keeps 1/ratio of its own tokens with bases of its own (the default shares the layer's
+    # budget, and document 2's bases extend document 1's)
     "segments-own-budget": {"segment_budget": "segment", "segment_bases": "own"},
-    # the layer's budget, but bases of its own (round 11's first step)
+    # the layer's budget, but bases of its own
     "own-bases": {"segment_bases": "own"},
     "fold": {"segment_tokens": 0},
-    # the round 3-5 default (`s4r-fast`: post-RoPE keys), with segments
+    # `s4r-fast` (post-RoPE keys), with segments
     "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0, "key_share": 0.5},
-    # round 7: is document 1 lost in what is stored or in which tokens are rebuilt?
+    # is document 1 lost in what is stored or in which tokens are rebuilt?
     "segments-recon1": {"recon_fraction": 1.0},
-    # round 8: the fixed share of rounds 6-7 (the default now grows it where attention is flat)
+    # a fixed rebuilt share (the default grows it where attention is flat)
     "segments-fixed": {"recon_drop": None},
-    # round 11: where document 2's copies are lost. An oracle storing every token losslessly (it ignores
+    # where document 2's copies are lost: An oracle storing every token losslessly (it ignores
     # the ratio), and more exact outliers
     "oracle-lossless": {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
     "out0.03": {"outlier_fraction": 0.03},
@@ -50,7 +50,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # is it the chat turn folded into document 2's bases? a buffer that keeps it exact
     "buffer128": {"buffer_tokens": 128},
     "buffer256": {"buffer_tokens": 256},
-    # document 2's bases extend document 1's (stored once; the default since round 11)
+    # document 2's bases extend document 1's (stored once; the default)
     "extend": {"segment_bases": "extend"},
     # which kind document 2's copies lean on: more rank to the keys or to the values (both documents)
     "ks0.5": {"key_share": 0.5},

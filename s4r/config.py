@@ -25,10 +25,8 @@ class S4RConfig:
     ratio: float | None = 5.0
     rank_k: int | None = None
     rank_v: int | None = None
-    # share of the rank budget given to keys when the solver splits it. Pre-RoPE keys are far more
-    # low-rank than values: at ratio 5 (4k tokens, tuning book) storing the values at rank 97 cost the
-    # multi-value needles twice what storing the keys at rank 96 did, and 0.4 (ranks 76/113) measured
-    # -0.015 nats of answer NLL against 0.5 over 80 paired needle samples (docs/notes-round7.md)
+    # share of the rank budget given to keys when the solver splits it: pre-RoPE keys are far more
+    # low-rank than values, so values get the larger share (docs/design.md, "Rank split")
     key_share: float = 0.4
     # "uniform": the same ranks in every layer (split by key_share); "energy": ranks spread over layers
     # and between K and V by how much of each sample's energy a basis column captures
@@ -43,18 +41,16 @@ class S4RConfig:
 
     # share of the stored tokens the bases represent worst (largest relative residual) that are also
     # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses.
-    # With pre-RoPE keys the bases miss far less: 1% measured as well as 3% and 0% (docs/notes-round6.md)
-    # and leaves the bytes to rank
+    # Pre-RoPE bases miss few tokens, so 1% is enough and leaves the bytes to rank (docs/design.md)
     outlier_fraction: float = 0.01
     # how outliers are chosen: "residual" (worst relative reconstruction error) or "attention" (largest
     # first-order change of the prompt's last queries' attention output, see compress.attention_effect)
     outlier_score: Literal["residual", "attention"] = "residual"
 
     # "pre_rope" (ShadowKV's and xKV's choice) fits the key bases before the rotary embedding, where keys
-    # are far more low-rank: at ratio 5 on the tuning book the multi-needle answer-NLL gap to the full
-    # cache fell from +0.14 to +0.03 nats. Decoding then rebuilds the selected keys and rotates them (the
-    # paper's sparse reconstruction). "post_rope" keys attend in latent space without rebuilding
-    # anything, about twice as fast a step on a CPU (the `s4r-fast` method)
+    # are far more low-rank; decoding then rebuilds the selected keys and rotates them (the paper's
+    # sparse reconstruction). "post_rope" keys attend in latent space without rebuilding anything: a
+    # faster step, less faithful (the `s4r-fast` method; docs/design.md, "Key space")
     key_space: KeySpace = "pre_rope"
     # pre-RoPE keys are scored without rotating each stored token to its position: "aligned" dots the
     # query with them as if every token sat at the query's own position (the dimensions that rotate fast
@@ -63,17 +59,15 @@ class S4RConfig:
     rope_scoring: Literal["aligned", "expected"] = "expected"
     # with "expected": the mean is taken over chunks of this many stored tokens, each scored by its own
     # chunk's rotation (dimensions slow over a chunk keep their phase); 0: one chunk, every stored token.
-    # 7.6k-token perplexity gap at ratio 5 (tuning book): aligned +0.099, one chunk +0.038, chunks of 1024
-    # +0.007, 512 +0.004 to +0.006, 256 +0.004, 128 -0.000 (fewer chunks: fewer products per step)
+    # Smaller chunks score better and cost more products per step (docs/design.md, "Scoring pre-RoPE keys")
     rope_chunk: int = 1024
     granularity: Granularity = "layer"
     # int8 coefficients (with a per-token scale) buy about twice the rank of model-dtype ones
     coef_dtype: CoefDtype = "int8"
     # bit widths of int8 coefficients along the rank as "bits:share,...": "8:2,4:3,2:3" keeps the leading
     # quarter of the columns in int8 (they score tokens), the next 3/8 in 4 bits, the rest in 2 bits (see
-    # coef_bands.py); None keeps every column in int8. Ignored with coef_dtype "model". Chosen with
-    # outlier_fraction 0.03 on the tuning book; on the held-out book at ratio 5 the 7.6k perplexity gap
-    # fell from +0.125 to +0.045 nats against int8 with 5% outliers (docs/notes-round3.md)
+    # coef_bands.py); None keeps every column in int8. Ignored with coef_dtype "model". Fewer bits on the
+    # trailing columns buy rank (docs/design.md, "Coefficient bands")
     coef_bands: str | None = "8:2,4:3,2:3"
     # bands of the value coefficients where they should differ from the keys' (None: `coef_bands`).
     # Value coefficients score nothing, so they can trade the wide int8 lead for rank
@@ -83,30 +77,25 @@ class S4RConfig:
     local_window: int = 32
     # fraction of the stored tokens reconstructed per step; None means "the storage fraction" 1/ratio (the
     # paper's choice), at most `recon_cap`: at ratio 2.5, rebuilding 20% instead of 40% of the pre-RoPE
-    # keys measured as well on the tuning book's needles and halves that work (docs/notes-round6.md)
+    # keys answers as well for half the work (docs/design.md, "How many tokens a step rebuilds")
     recon_fraction: float | None = None
     recon_cap: float = 0.2
     # adaptive budget: a step rebuilds more than the fraction above, up to `recon_max` of the stored
     # tokens, while a query row's estimated attention on the tokens left out exceeds `recon_drop` (flat
     # attention, as in counting tasks, needs many tokens; a needle needs few). None: always the fixed
-    # fraction. Tuning book, ratio 5, frequent words (answer NLL, n=8): fixed 20% +0.168 nats to the full
-    # cache; 0.02 up to every token +0.020 (47% rebuilt) but lossy rebuilds of unimportant tokens then
-    # dilute sharp needles (two held-out ones lost); so the ceiling follows the storage's fidelity
-    # (docs/notes-round8.md)
+    # fraction. The ceiling follows the storage's fidelity: lossy rebuilds of unimportant tokens dilute
+    # sharp needles (docs/design.md, "How many tokens a step rebuilds")
     recon_drop: float | None = 0.02
     # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5)
     recon_max: float | None = None
     # at most this many stored tokens rebuilt per step, whatever the fractions above give; None: 10,240/ratio
     # (2,048 at ratio 5, 4,096 at 2.5), 0: no limit. A pre-RoPE step's work grows with the tokens it
-    # rebuilds, so shares of a long context cost more than attending all of it exactly (at 32k, ratio 5:
-    # 0.36x the full cache's speed uncapped, 1.20x with 2,048; answer NLL at 7.6k, where it binds, +0.009
-    # and +0.000 on two books; docs/notes-round9.md). ShadowKV keeps a fixed token budget too
+    # rebuilds, so a share of a long context would cost more than attending all of it exactly; ShadowKV
+    # keeps a fixed token budget too (docs/design.md, "How many tokens a step rebuilds")
     recon_token_cap: int | None = None
     # the dtype a pre-RoPE step rebuilds the selected keys in: "model" (a bf16 model's bf16, or the model's
-    # dtype on a GPU: one product over the decoded coefficients, keys rounded as the model's own are; a
-    # layer's rebuilt logits took 0.6x the fp32 time on this CPU) or "float32" (rounds 6-9: fp32 products
-    # through byte planes). Answer NLL against float32, tuning book, n=32: -0.001 [-0.005, +0.003]
-    # (docs/notes-round10.md)
+    # dtype on a GPU: one product over the decoded coefficients, keys rounded as the model's own are;
+    # faster, and answers as well) or "float32" (fp32 products through byte planes; docs/design.md)
     rebuild_dtype: Literal["model", "float32"] = "model"
     top_k: int | None = None
     pool_kernel: int = 7
@@ -115,7 +104,7 @@ class S4RConfig:
     # how stored tokens are scored for selection, from each query's (and query head's) own attention
     # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over
     # recent queries too (weight halving every `query_window` queries; a relevance per KV head and
-    # token is stored); "summed" is the older proxy (window queries averaged, heads of a group summed)
+    # token is stored); "summed" is the paper's proxy (window queries averaged, heads of a group summed)
     scoring: Literal["query", "max", "mean", "summed"] = "query"
     # one set of selected tokens for all KV heads of a layer (scored over all its query heads) rather
     # than one per KV head: with a layer basis their coefficient rows are gathered once, not per head
@@ -130,16 +119,13 @@ class S4RConfig:
     segment_tokens: int = 1024
     # what bytes a new segment's ranks may use: "layer" also spends what the earlier segments left under
     # the ratio (the first document's room for new tokens, which the new last segment takes over, and
-    # rounding), so the layer keeps the ratio as a whole; "segment" (rounds 4-10) keeps 1/ratio of its own
-    # tokens, so two documents sat near x5.96 at 5x. Document 2's ranks went from 59/88 to 72/109 at 2k
-    # tokens each (docs/notes-round11.md)
+    # rounding), so the layer keeps the ratio as a whole; "segment" keeps 1/ratio of its own tokens, so
+    # two documents store less than the ratio allows (docs/design.md, "Appended documents")
     segment_budget: Literal["layer", "segment"] = "layer"
     # a new segment's bases: "extend": the previous segment's columns (stored once, shared) followed by
-    # new ones fitted on what they leave of the new text; "own" (rounds 4-10): fitted on its tokens alone.
-    # An appended document's keys and values lie mostly in the first's subspace (the model's), so the bytes
-    # a basis of its own would cost buy rank: 72/109 -> 88/132 at 2k tokens. Held-out book, 32 pairs at
-    # 5x: document 2's needle 28 -> 32 of 32 (the full cache's 32), chat margin +0.38 [+0.23, +0.52];
-    # over 64 pairs 61/64 against the full cache's 63/64 (docs/notes-round11.md)
+    # new ones fitted on what they leave of the new text; "own": fitted on its tokens alone. An appended
+    # document's keys and values lie mostly in the first's subspace (the model's), so the bytes a basis of
+    # its own would cost buy rank (docs/design.md, "Appended documents")
     segment_bases: Literal["own", "extend"] = "extend"
 
     def __post_init__(self) -> None:
@@ -181,7 +167,7 @@ class S4RConfig:
             raise ValueError("pool_kernel must be a positive odd number")
         for spec in (self.coef_bands, self.value_bands):
             if spec is not None:
-                from s4r.core.coef_bands import parse_band_spec
+                from s4r.core.band_plan import parse_band_spec
 
                 parse_band_spec(spec)  # raises ValueError with the reason
         if self.buffer_tokens < 1 or not 1 <= self.fold_tokens <= self.buffer_tokens:
@@ -196,8 +182,7 @@ class S4RConfig:
     @classmethod
     def fast(cls, ratio: float = 5.0) -> S4RConfig:
         """Post-RoPE keys attended in latent space (no key is rebuilt), with the outliers that space
-        needs: the default of rounds 3-5, about twice as fast a decode step on a CPU as the default and
-        less faithful (docs/notes-round6.md)."""
+        needs: a faster decode step than the default's and less faithful (docs/design.md, "Key space")."""
         return cls(ratio=ratio, key_space="post_rope", outlier_fraction=0.03, recon_cap=1.0, key_share=0.5,
                    recon_drop=None, recon_token_cap=0)
 

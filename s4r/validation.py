@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -72,16 +73,15 @@ def looks_like_path(spec: str) -> bool:
     return "\\" in spec or spec.count("/") > 1
 
 
-def model_spec_kind(spec: str) -> ModelSpecKind:
+def model_spec_kind(spec: str, profiles: Collection[str]) -> ModelSpecKind:
     """What a ``--model`` value names, the way :func:`s4r.models.loading.load_model` dispatches on it.
 
-    ``profile``: a profile name (profile names win over same-named folders; write ``./name`` for the
-    folder); ``local``: an existing file or folder; ``missing``: a path that does not exist; ``hub``: an
-    ``org/name`` hub id; ``unknown``: a bare word that is none of these (a typo).
+    ``profile``: one of `profiles` (the profile names, `s4r.models.profiles.profile_names()`; they win over
+    same-named folders; write ``./name`` for the folder); ``local``: an existing file or folder;
+    ``missing``: a path that does not exist; ``hub``: an ``org/name`` hub id; ``unknown``: a bare word that
+    is none of these (a typo).
     """
-    from s4r.models.profiles import profile_names  # tomllib only; looked up at call time so tests can swap it
-
-    if "/" not in spec and spec in profile_names():
+    if "/" not in spec and spec in profiles:
         return "profile"
     if Path(spec).expanduser().exists():
         return "local"

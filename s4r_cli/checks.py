@@ -44,7 +44,9 @@ def check_model_spec(spec: str) -> None:
     ModelLoadError is a runtime error (exit 1). A missing path or a bare unknown word is a typo, so it is a
     usage error (exit 2) reported before anything slow happens.
     """
-    kind = validation.model_spec_kind(spec)  # the loader's own dispatch
+    from s4r.models.profiles import profile_names  # tomllib only; looked up at call time so tests can swap it
+
+    kind = validation.model_spec_kind(spec, profile_names())  # the loader's own dispatch
     if kind == "local":
         p = Path(spec).expanduser()
         if not (p.is_dir() or p.suffix.lower() == ".gguf"):

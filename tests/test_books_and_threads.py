@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import lzma
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ def test_books_ship_inside_the_package(no_books_dir: None) -> None:
     names = [b.name for b in books.list_books()]
     assert names == ["pride-and-prejudice", "romeo-and-juliet"]
     for book in books.list_books():
-        assert book.shipped and book.path.parent == REPO_ROOT / "s4r" / "data"
+        assert book.shipped and book.path.parent == Path(books.__file__).resolve().parent / "data"
         assert book.path.name.endswith(".txt.xz")
     text = books.read_book("pride-and-prejudice")
     assert "It is a truth universally acknowledged" in text
@@ -34,9 +37,18 @@ def test_books_ship_inside_the_package(no_books_dir: None) -> None:
     assert "*** START OF" not in body and "*** END OF" not in body
 
 
-def test_package_data_puts_the_books_in_a_wheel() -> None:
-    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
-    assert '"data/*.txt.xz"' in pyproject
+def test_a_wheel_carries_the_books_and_the_profiles(tmp_path: Path) -> None:
+    """`pip install .` (not editable) gets what `--book` and `--model` read: build the wheel, list it."""
+    pytest.importorskip("setuptools")
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(REPO_ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = tmp_path.glob("s4r-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"s4r/data/pride-and-prejudice.txt.xz", "s4r/data/romeo-and-juliet.txt.xz"} <= names
+    shipped = {Path(n).stem for n in names if n.startswith("s4r/profiles/") and n.endswith(".toml")}
+    assert shipped == {p.stem for p in (REPO_ROOT / "s4r" / "profiles").glob("*.toml")} and shipped
+    assert "s4r_cli/app.py" in names and not any(n.startswith(("research/", "tests/")) for n in names)
 
 
 def test_bench_and_offline_read_the_shipped_books(no_books_dir: None) -> None:
@@ -65,11 +77,13 @@ def test_unknown_book_names_the_known_ones(no_books_dir: None) -> None:
 def test_nothing_needs_the_shared_folder() -> None:
     """README, tests, package and CI must work on a clone with nothing beside it."""
     offenders = []
-    for path in [REPO_ROOT / "README.md", REPO_ROOT / ".ci" / "run", *REPO_ROOT.glob("s4r/**/*.py"),
-                 *REPO_ROOT.glob("s4r_cli/*.py"), *REPO_ROOT.glob("tests/*.py")]:
+    globs = ("docs/*.md", "s4r/**/*.py", "s4r_cli/*.py", "tests/*.py", "research/*.py")
+    for path in [REPO_ROOT / "README.md", REPO_ROOT / "BENCHMARKS.md", REPO_ROOT / ".ci" / "run",
+                 *(p for pattern in globs for p in REPO_ROOT.glob(pattern))]:
         if path.name == Path(__file__).name:
             continue
-        if "shared/data" in path.read_text(encoding="utf-8"):
+        text = path.read_text(encoding="utf-8")
+        if "shared/data" in text or "../shared" in text or "/work/" in text:
             offenders.append(str(path.relative_to(REPO_ROOT)))
     assert offenders == []
 

@@ -171,7 +171,7 @@ def test_unloadable_hub_model_is_runtime_error(tmp_path: Path, book: Path) -> No
 
 
 def test_cuda_without_gpu(tmp_path: Path, book: Path) -> None:
-    """A device that is not there is bad input: exit 2, as the README says (it was 1)."""
+    """A device that is not there is bad input: exit 2, as the README says."""
     p = run_cli("ask", QUESTION, "-f", str(book), "--device", "cuda", cwd=tmp_path)
     assert_one_error(p, 2, "no CUDA GPU")
 
@@ -212,7 +212,7 @@ def test_mismatched_saved_cache(tmp_path: Path, book: Path) -> None:
 def test_document_longer_than_context(tmp_path: Path) -> None:
     words = FAKE_CONTEXT + 500
     (tmp_path / "long.txt").write_text("word " * words)
-    # too long without --truncate is bad input: exit 2 (it was 1)
+    # too long without --truncate is bad input: exit 2
     line = assert_one_error(run_cli("ask", QUESTION, "-f", "long.txt", cwd=tmp_path), 2, "--truncate")
     assert f"{words:,}" in line and f"{FAKE_CONTEXT:,}" in line  # names both numbers
     assert "--rope-scaling FACTOR" in line
@@ -274,8 +274,8 @@ def test_closed_pipe_is_quiet(tmp_path: Path, book: Path) -> None:
     """`s4r ask ... | head -c 20`: no traceback, no message, exit 141 like other tools cut off by a pipe.
 
     The answer must be longer than the pipe's buffer (64 KiB on Linux), or under load the writer can put
-    all of it into the pipe before the reader closes its end, never see EPIPE and rightly exit 0: with the
-    default -n 512 the fake answer was 51 KiB, which made this test flaky. -n 20000 lets all ~1 MB through.
+    all of it into the pipe before the reader closes its end, never see EPIPE and rightly exit 0 (the
+    default -n 512 gives only 51 KiB). -n 20000 lets all ~1 MB through.
     """
     env = {**os.environ, "S4R_HOME": str(tmp_path / "home")}
     cmd = [sys.executable, "-c", FAKE_LAUNCHER, "ask", "LONG", "-n", "20000", "-f", str(book)]

@@ -1,4 +1,4 @@
-"""What a newcomer meets first (issue 10): shipped books, threads, decoding notices, short documents,
+"""What a newcomer meets first: shipped books, threads, decoding notices, short documents,
 unreachable ratios, a document piped into chat, Ctrl-C, truncation, and the REPL's small edges.
 
 Against the fake library (tests/test_cli_fakes.py), in-process or in a subprocess where exit codes and

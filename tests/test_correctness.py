@@ -1,4 +1,4 @@
-"""Correctness gaps closed in issue 11: a missed attention hand-off is an error, a forgotten turn leaves no
+"""Correctness edges: a missed attention hand-off is an error, a forgotten turn leaves no
 queries behind, truncation frees what it drops, and a long question never holds the cache over its ratio.
 Tiny random models (fp32)."""
 

@@ -157,11 +157,16 @@ def test_max_ratio_of_each_kind_of_method() -> None:
 
 
 def test_max_ratio_is_a_real_bound(loaded: SimpleNamespace) -> None:
+    """Tight from both sides: 5% under the bound the longest document compresses and keeps the ratio,
+    5% over it even the longest document cannot."""
     best = max_ratio(loaded, "s4r")
-    assert 1 < best < 1000
-    session = Session(loaded, method="s4r", ratio=best * 1.05, truncate="head")
-    session.ingest(FOX * 100)  # fills the 4096-token context but for the answer headroom
-    assert session.method == "full"  # not reachable even with the longest document
+    below = Session(loaded, method="s4r", ratio=best * 0.95, truncate="head")
+    below.ingest(FOX * 100)  # fills the 4096-token context but for the answer headroom
+    assert below.method == "s4r" and below.cache.is_compressed()
+    assert below.memory().ratio >= best * 0.95
+    above = Session(loaded, method="s4r", ratio=best * 1.05, truncate="head")
+    above.ingest(FOX * 100)
+    assert above.method == "full"  # not reachable even with the longest document
 
 
 def test_truncation_is_counted(loaded: SimpleNamespace) -> None:

@@ -147,10 +147,14 @@ def test_ratio_unreachable_at_this_length_keeps_the_layerwise_cache_uncompressed
 
 
 def test_interrupted_append_leaves_the_documents_as_they_were():
+    """Ctrl-C during a layer-wise append: every layer holds exactly what it held before (tensors, lengths),
+    the session's documents are unchanged, and it answers as a twin that never saw the append does."""
     loaded = loaded_for(tiny_model("llama", num_hidden_layers=6))
-    session = Session(loaded, method="s4r", ratio=2.0, chunk_size=128)
-    session.ingest(TEXT)
-    length = session.logical_length
+    session, twin = (Session(loaded, method="s4r", ratio=2.0, chunk_size=128) for _ in range(2))
+    for s in (session, twin):
+        s.ingest(TEXT)
+    length, documents = session.logical_length, list(session.documents)
+    before = [{k: v.clone() for k, v in layer.state().items()} for layer in session.cache.layers]
 
     def stop_at_third_layer(done: int, total: int) -> None:
         if done >= 3 * total // session.shape.layers:
@@ -158,6 +162,13 @@ def test_interrupted_append_leaves_the_documents_as_they_were():
 
     with pytest.raises(KeyboardInterrupt):
         session.ingest(TEXT[:300], progress=stop_at_third_layer)
-    # every layer agrees again on the length before the append, and the session still answers
     assert {layer.get_seq_length() for layer in session.cache.layers} == {length}
-    assert session.ask("what?", max_new_tokens=3)[1].generated_tokens >= 0
+    assert session.documents == documents and session.logical_length == length
+    for saved, layer in zip(before, session.cache.layers, strict=True):
+        now = layer.state()
+        assert now.keys() == saved.keys()
+        assert all(torch.equal(now[k], saved[k]) for k in saved)
+    answer, stats = session.ask("what?", max_new_tokens=3)
+    twin_answer, twin_stats = twin.ask("what?", max_new_tokens=3)
+    assert (answer, stats.generated_tokens) == (twin_answer, twin_stats.generated_tokens)
+    assert stats.generated_tokens > 0

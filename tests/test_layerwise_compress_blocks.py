@@ -45,7 +45,7 @@ def layer_inputs(tokens: int, seed: int = 0):
 
 
 def whole_layer_reference(keys, values, queries, cfg, rank_k, rank_v, rope) -> LowRankLayer:
-    """compress_layer as it was before blocks: every non-sink token in fp32 at once, bases from the
+    """compress_layer without blocks: every non-sink token in fp32 at once, bases from the
     sample of those fp32 copies, outliers from the whole layer's residuals."""
     s = min(cfg.sinks, keys.shape[1])
     k_groups, v_groups = compressible_parts(keys, values, cfg, rope)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from s4r.errors import CacheFileError
+from s4r.hf.generation import forward_tokens
 from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
@@ -48,8 +49,29 @@ def rewrite(path, edit_header=None, edit_tensors=None) -> None:
     save_file(tensors, str(path), metadata={"s4r": json.dumps(header)})
 
 
-def test_an_untouched_file_loads(model, saved):
-    assert Session.load(saved, loaded_as(model, torch.float32)).method == "s4r"
+def test_an_untouched_file_loads(model, tmp_path):
+    """The loaded session holds what the saved one held: every layer's tensors and lengths, the
+    conversation state, and the same next-token logits for the same question."""
+    original = Session(loaded_as(model, torch.float32), method="s4r", ratio=2.5)
+    original.ingest(DOC)
+    path = tmp_path / "chat.s4r"
+    original.save(path)
+    loaded = Session.load(path, loaded_as(model, torch.float32))
+    assert (loaded.method, loaded.ratio_requested) == ("s4r", 2.5)
+    assert loaded.logical_length == original.logical_length
+    assert loaded.document_tokens == original.document_tokens and loaded.documents == original.documents
+    assert loaded.memory() == original.memory()
+    for before, after in zip(original.cache.layers, loaded.cache.layers, strict=True):
+        assert type(after) is type(before) and after.get_seq_length() == before.get_seq_length()
+        assert after.meta_state() == before.meta_state()
+        saved_tensors, loaded_tensors = before.state(), after.state()
+        assert saved_tensors.keys() == loaded_tensors.keys() and saved_tensors
+        for name, tensor in saved_tensors.items():
+            assert torch.equal(loaded_tensors[name], tensor), name
+    ids = torch.tensor([[5, 17, 42]])
+    with torch.inference_mode():
+        logits = [forward_tokens(model, s.cache, ids, s.logical_length) for s in (original, loaded)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("edit", [

@@ -1,11 +1,12 @@
 """The README's promises that tests can hold it to: its first commands, CI running the same test command,
-and the exit codes it documents."""
+the exit codes it documents, the documents it links, and the size of the documentation."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from s4r.books import list_books
 from s4r_cli import app
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +22,31 @@ def _first_commands() -> tuple[str, str]:
 def test_command_one_needs_nothing_beside_the_clone() -> None:
     first, _ = _first_commands()
     assert "../" not in first and "shared" not in first
-    assert "--book pride-and-prejudice" in first
+    book = re.search(r"--book (\S+)", first)
+    assert book and book.group(1) in {b.name for b in list_books()}  # a book that ships in the package
+
+
+def test_command_one_prints_the_answer_alone() -> None:
+    """Every install step of command 1 is quiet on stdout, so what it prints is the answer of `s4r ask`
+    (its notices and -v figures go to stderr)."""
+    first, _ = _first_commands()
+    steps = [step.strip() for step in first.split("&&")]
+    installs = [step for step in steps if "pip install" in step]
+    assert installs and all(" -q" in step and ">/dev/null" in step for step in installs)
+    assert steps[-1].startswith("s4r ask ") and "--json" not in steps[-1]
+
+
+def test_the_linked_documents_exist() -> None:
+    links = set(re.findall(r"\]\(((?:docs/)?[A-Za-z_-]+\.md)\)", README))
+    docs = {"docs/design.md", "docs/cli.md", "docs/library.md", "docs/architecture.md", "BENCHMARKS.md"}
+    assert docs <= links
+    assert all((REPO_ROOT / link).is_file() for link in links)
+
+
+def test_the_documentation_stays_short() -> None:
+    assert len(README.splitlines()) <= 200
+    assert len((REPO_ROOT / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 300
+    assert len([p for p in (REPO_ROOT / "docs").rglob("*") if p.is_file()]) <= 25
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -1,4 +1,4 @@
-"""How the bench words a speed comparison and draws its lines (issue 10: "faster by 0.9×", hidden s4r)."""
+"""How the bench words a speed comparison and draws its lines: never "faster by 0.9×", no hidden s4r line."""
 
 from __future__ import annotations
 

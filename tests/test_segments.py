@@ -244,7 +244,7 @@ def test_a_segment_may_rebuild_nothing():
 def test_the_second_document_spends_what_the_first_left_under_the_ratio(model):
     """`segment_budget="layer"`: document 1's room for new tokens (taken over by the new last segment) and
     its rounding go to document 2's ranks, and the layer as a whole keeps the ratio, also after an answer
-    long enough to fold; "segment" keeps 1/ratio of each document's own tokens (rounds 4-10)."""
+    long enough to fold; "segment" keeps 1/ratio of each document's own tokens."""
     sessions = {}
     for budget in ("layer", "segment"):
         session = _session(model, ratio=5.0, segment_budget=budget)  # ranks below the width at 5x

@@ -60,18 +60,21 @@ def test_device_shapes_refused(spec: str) -> None:
         check_device_spec(spec, Refused)
 
 
+NAMES = ("smollm2-135m", "qwen3-4b")
+
+
 def test_model_spec_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "folder").mkdir()
     (tmp_path / "smollm2-135m").mkdir()  # a folder named like a profile
-    assert model_spec_kind("smollm2-135m") == "profile"  # profile names win over same-named folders
-    assert model_spec_kind("./smollm2-135m") == "local"
-    assert model_spec_kind("folder") == "local"
-    assert model_spec_kind("./nothing-here") == "missing"
-    assert model_spec_kind("nothing.gguf") == "missing"
-    assert model_spec_kind("a/b/c") == "missing"
-    assert model_spec_kind("HuggingFaceTB/SmolLM2-135M-Instruct") == "hub"
-    assert model_spec_kind("smolm2") == "unknown"
+    assert model_spec_kind("smollm2-135m", NAMES) == "profile"  # profile names win over same-named folders
+    assert model_spec_kind("./smollm2-135m", NAMES) == "local"
+    assert model_spec_kind("folder", NAMES) == "local"
+    assert model_spec_kind("./nothing-here", NAMES) == "missing"
+    assert model_spec_kind("nothing.gguf", NAMES) == "missing"
+    assert model_spec_kind("a/b/c", NAMES) == "missing"
+    assert model_spec_kind("HuggingFaceTB/SmolLM2-135M-Instruct", NAMES) == "hub"
+    assert model_spec_kind("smolm2", NAMES) == "unknown"
 
 
 def test_loader_dispatches_by_the_same_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@
 
 One prefill per length (book text, repeated past its end), then forks of the staged cache: `full`
 (s4r's exact cache; grouped heads folded on a CPU, bf16 steps as two matrix products), each method at
-each ratio, and for reference `full (sdpa)` (the same cache through SDPA, rounds 5-9's baseline) and
+each ratio, and for reference `full (sdpa)` (the same cache through SDPA alone) and
 `transformers` (plain `DynamicCache` + sdpa, what an unmodified model runs). All forks decode the same tokens
 one at a time in one interleaved loop (`teacher_force`), so a machine that speeds up or slows down
 affects every row alike; figures are median milliseconds per token and the ratio to `full`.
@@ -53,8 +53,8 @@ class PlainTransformersCache(DynamicCache):
 
 
 class SdpaFullLayer(FullLayer):
-    """The exact full cache of rounds 5-9: grouped heads folded, SDPA at every length (the reference row
-    that shows what `matmul_attention` gained)."""
+    """The exact full cache through SDPA alone: grouped heads folded, SDPA at every length (the reference
+    row that shows what `matmul_attention` gains)."""
 
     def attend(self, query, key, value, scaling):
         return causal_attention(query, key, value, scaling, sdpa_only=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from s4r.config import S4RConfig
-from s4r.core.coef_bands import plan_bands
+from s4r.core.band_plan import plan_bands
 from s4r.errors import BudgetError
 
 

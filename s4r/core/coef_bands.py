@@ -4,100 +4,35 @@ An SVD basis orders its columns by energy, so the coefficients of a token shrink
 every column the same 8 bits (or cutting the rank where the bytes run out) spends bits where they buy
 little. Transform coding spends them by variance instead: the first columns in int8 (they also score
 tokens in latent space), the next ones in 4 bits, the tail in 2 bits. At the same bytes this keeps about
-twice the rank of int8 coefficients (measured effect on answers and perplexity: docs/notes-round3.md).
+twice the rank of int8 coefficients (measured effect: docs/design.md, "Coefficient bands").
 
-The int8 band is stored as before (symmetric, per-token absmax scale, token axis where the latent
-logits want it). Each lower band is a uniform mid-rise quantizer per token with a step proportional to
-the band's RMS (Max's optimal uniform step for a Gaussian source), codes packed in uint8; its rows are
-only ever rebuilt for the tokens a decode step selects.
+The int8 band is stored as plain int8 coefficients are (symmetric, per-token absmax scale, token axis
+where the latent logits want it). Each lower band is a uniform mid-rise quantizer per token with a step
+proportional to the band's RMS (Max's optimal uniform step for a Gaussian source), codes packed in
+uint8; its rows are only ever rebuilt for the tokens a decode step selects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from s4r.core.band_plan import GAUSSIAN_STEP, LOW_BITS, BandPlan, parse_band_spec, plan_bands
 from s4r.core.quantize import pack_bits
 from s4r.core.subspace import quantize_int8
 
-if TYPE_CHECKING:
-    from s4r.config import S4RConfig
-
-# Max (1960): MSE-optimal step of a uniform quantizer for a unit Gaussian, by bit width
-GAUSSIAN_STEP = {2: 0.9957, 4: 0.3352}
-LOW_BITS = tuple(GAUSSIAN_STEP)
+__all__ = ["GAUSSIAN_STEP", "LOW_BITS", "BandPlan", "BandSettings", "Encoded", "decode_tails",
+           "encode_coefficients", "encode_tails", "parse_band_spec", "plan_bands"]
 
 
-@dataclass(frozen=True)
-class BandPlan:
-    """Widths of the int8 lead band and of each lower band (bits, width) of one rank."""
+class BandSettings(Protocol):
+    """What encoding reads of the settings (`s4r.config.S4RConfig` has both); the config itself imports
+    this module to check its band specs, so the dependency stays one-way."""
 
-    lead: int
-    tails: tuple[tuple[int, int], ...] = ()
+    coef_dtype: str
 
-    @property
-    def rank(self) -> int:
-        return self.lead + sum(w for _, w in self.tails)
-
-    @property
-    def tail_bytes(self) -> int:
-        """Packed code bytes per token and basis group of the lower bands."""
-        return sum(w * bits // 8 for bits, w in self.tails)
-
-    @property
-    def tail_count(self) -> int:
-        return len(self.tails)
-
-
-def parse_band_spec(spec: str) -> tuple[tuple[int, float], ...]:
-    """'8:1,4:3,2:4' -> ((8, 1.0), (4, 3.0), (2, 4.0)): bit widths and their relative shares of the rank.
-
-    The first entry must be 8 bits (the scoring band); the others 4 or 2 bits, in decreasing order."""
-    parts: list[tuple[int, float]] = []
-    for item in spec.split(","):
-        bits_text, _, share_text = item.strip().partition(":")
-        try:
-            bits, share = int(bits_text), float(share_text)
-        except ValueError:
-            raise ValueError(f"bad coefficient band '{item}' in '{spec}' (want bits:share, e.g. 8:1,4:3,2:4)"
-                             ) from None
-        if share <= 0:
-            raise ValueError(f"coefficient band share must be positive in '{spec}'")
-        parts.append((bits, share))
-    if not parts or parts[0][0] != 8:
-        raise ValueError(f"the first coefficient band must be 8 bits, got '{spec}'")
-    tails = [b for b, _ in parts[1:]]
-    ordered = tails == sorted(set(tails), reverse=True)
-    if any(b not in LOW_BITS for b in tails) or not ordered:
-        raise ValueError(f"lower coefficient bands must be 4 then 2 bits, got '{spec}'")
-    return tuple(parts)
-
-
-def plan_bands(rank: int, spec: str | None) -> BandPlan:
-    """Split `rank` columns into bands by the shares of `spec` (None: one int8 band of `rank`).
-
-    Lower bands are rounded down to whole bytes (4-bit widths even, 2-bit widths a multiple of 4);
-    what rounding frees goes to the int8 band, which always keeps at least one column."""
-    if spec is None:
-        return BandPlan(rank)
-    parts = parse_band_spec(spec)
-    total = sum(share for _, share in parts)
-    tails = []
-    for bits, share in parts[1:]:
-        per_byte = 8 // bits
-        width = int(rank * share / total) // per_byte * per_byte
-        if width:
-            tails.append((bits, width))
-    lead = rank - sum(w for _, w in tails)
-    while lead < 1 and tails:  # tiny ranks: give the int8 band a column back
-        bits, width = tails[-1]
-        width -= 8 // bits
-        tails = tails[:-1] + ([(bits, width)] if width else [])
-        lead = rank - sum(w for _, w in tails)
-    return BandPlan(max(lead, 1), tuple(tails))
-
+    def band_spec(self, values: bool = False) -> str | None: ...
 
 def encode_tails(coef: torch.Tensor, plan: BandPlan,
                  step_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +58,7 @@ def encode_tails(coef: torch.Tensor, plan: BandPlan,
 def decode_tails(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> torch.Tensor:
     """Inverse of `encode_tails` up to the rounding: fp32 coefficients [..., rank - lead].
 
-    Codes are unpacked with scalar shifts on the uint8 bytes (a table lookup through int64 indices was
+    Codes are unpacked with scalar shifts on the uint8 bytes (a table lookup through int64 indices is
     twice as slow: this runs on every selected token of every layer at each decode step)."""
     out, at = [], 0
     for j, (bits, width) in enumerate(plan.tails):
@@ -143,7 +78,7 @@ def decode_tails(codes: torch.Tensor, steps: torch.Tensor, plan: BandPlan) -> to
 Encoded = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def encode_coefficients(coef: torch.Tensor, cfg: S4RConfig, dtype: torch.dtype,
+def encode_coefficients(coef: torch.Tensor, cfg: BandSettings, dtype: torch.dtype,
                         values: bool = False) -> Encoded:
     """fp32 key (or value) coefficients [G, N, r] as stored: (lead codes, int8 scales or None, lower-band
     codes or None, their steps or None). Without bands the lead is every column (int8 or the model

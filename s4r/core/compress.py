@@ -16,7 +16,7 @@ from s4r.layers.lowrank import LowRankLayer
 # tokens whose fp32 keys/values and coefficients one compression step holds at once (~3 MiB of fp32
 # keys and values with SmolLM2's 192-wide layer basis). No block is shorter (the remainder joins the
 # last one): a product of a few rows can round differently from the whole layer's, blocks this long
-# stored the same values as the whole layer in every case checked (docs/notes-mem-9.md)
+# stored the same values as the whole layer in every case checked (tests/test_layerwise_compress_blocks.py)
 COMPRESS_BLOCK = 2048
 
 

@@ -13,12 +13,16 @@ row j*q + i = head j, position i), N stored tokens, G basis groups (H per-head b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from s4r.core.tail_planes import PlanarTail
+
+class WeightedTail(Protocol):
+    """The selected tokens' lower coefficient bands (`s4r.core.tail_planes.PlanarTail`), as the value
+    side uses them: their columns weighted by attention probabilities."""
+
+    def weighted(self, probs: torch.Tensor) -> torch.Tensor: ...
 
 
 def int8_matmul_available(device: torch.device) -> bool:
@@ -141,7 +145,7 @@ def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
 
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
                      value_rows: torch.Tensor, value_scale: torch.Tensor | None,
-                     value_blocks: torch.Tensor, tail: PlanarTail | None = None, *,
+                     value_blocks: torch.Tensor, tail: WeightedTail | None = None, *,
                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One softmax over exact and latent tokens: (output [H, M, d] in fp32, the logsumexp of the
     logits [H, M] when `with_lse`, else None).

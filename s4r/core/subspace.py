@@ -75,7 +75,7 @@ def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """Per token [N]: squared projection error over squared norm, summed over basis groups.
 
     The basis is orthonormal, so the error is the energy the coefficients do not capture; no residual
-    as large as `x` is built (that was the biggest transient of a long layer's compression).
+    as large as `x` is built (it would be the biggest transient of a long layer's compression).
     """
     total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
     captured = torch.matmul(x, basis).pow(2).sum(dim=(0, 2))

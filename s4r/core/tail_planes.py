@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from s4r.core.coef_bands import BandPlan
+from s4r.core.band_plan import BandPlan
 
 
 @functools.lru_cache(maxsize=32)

@@ -30,10 +30,9 @@ _active = threading.local()
 FOLD_MAX_QUERY = 16
 # Folded bf16 steps over at least this many keys run as two matrix products per head around an fp32
 # softmax (transformers' eager arithmetic) instead of SDPA: oneDNN's bf16 products are about 4x its fp32
-# ones on this CPU (AVX512-BF16). 30 layers of SmolLM2's shape, one thread: 1.15x SDPA's speed at 2k keys,
-# 1.63x at 7.6k, 2.23x at 32k, 0.88x at 1k (docs/round10/kernel-microbench.md); a whole decode step of
-# the model measured 0.94x at 2k (the per-head products' dispatch) and 1.05x at 4k. fp32 and fp16 gain
-# nothing, so they stay on SDPA.
+# ones on a CPU with AVX512-BF16. Per layer they beat SDPA from about 2k keys and lose below, and a whole
+# decode step (with the per-head products' dispatch) gains only from about 3k, hence the threshold.
+# fp32 and fp16 gain nothing, so they stay on SDPA.
 MATMUL_MIN_KEYS = 3072
 # oneDNN builds a bf16 product's kernel per shape (0.4-0.6 ms, more than the product at a few thousand
 # keys), and a decode step's key count grows by one: a cache hands over its spare rows up to a multiple
@@ -121,8 +120,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query [B, Hq, q, d]; key/value [B, H, S, d] with H dividing Hq. Returns [B, Hq, q, d].
     On CPU, short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem
     per KV head, the same arithmetic as `enable_gqa` without its slow path; in bf16 over many keys as
-    two matrix products (`matmul_attention`, see MATMUL_MIN_KEYS) unless `sdpa_only` (the full cache of
-    rounds 5-9, a reference row of the speed table). `room`: key and value views that extend `key` and
+    two matrix products (`matmul_attention`, see MATMUL_MIN_KEYS) unless `sdpa_only` (the full cache
+    through SDPA alone, a reference row of the speed table). `room`: key and value views that extend `key` and
     `value` with finite rows (a cache's spare capacity up to a KEY_BUCKET boundary); the products then
     run over them with the extra keys masked, the same attention.
     """

@@ -9,7 +9,6 @@ from transformers.cache_utils import Cache
 
 from s4r.core.budget import KVShape
 from s4r.layers.full import CacheLayer, FullLayer, StagingLayer
-from s4r.layers.segments import settle_appended
 
 
 class CompressedCache(Cache):
@@ -124,22 +123,7 @@ class CompressedCache(Cache):
 
     def begin_append(self) -> None:
         """Keep the text about to be appended exact in the compressed layers' buffers until
-        `settle_layer` (so a long one can get bases of its own, `s4r.layers.segments`)."""
+        `s4r.layers.segments.settle_layer` stores it (a long one with bases of its own)."""
         for layer in self.layers:
             if hasattr(layer, "collecting"):
                 layer.collecting = True
-
-    def settle_layer(self, i: int) -> None:
-        """Layer `i` has the whole appended text: store it (a segment of its own, or folded)."""
-        self.layers[i] = settle_appended(self.layers[i], self.shape)
-
-    def fold_buffer(self) -> None:
-        """Settle every layer after appending a text (oversized buffers folded into coefficients)."""
-        for i in range(len(self.layers)):
-            self.settle_layer(i)
-
-
-def staged_tensors(layer: StagingLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(keys [H,T,d], values [H,T,d], queries [Hq,W,d] or None) of a staging layer, batch 1."""
-    q = layer.queries[0] if layer.queries is not None else None
-    return layer.keys_view[0], layer.values_view[0], q

@@ -23,6 +23,7 @@ import torch
 
 from s4r.hf.attention import drop_handoff, ensure_handoff_taken
 from s4r.hf.hidden_spill import HiddenInMemory, HiddenSpill, HiddenStates
+from s4r.layers.segments import settle_layer
 
 # architectures whose decoder is embed -> layers(hidden, position_embeddings, cache) -> norm -> lm_head,
 # with nothing else between them (no embedding scale, no logit soft-capping)
@@ -158,7 +159,7 @@ def ingest_layerwise(model, cache, ids: torch.Tensor, start: int, block_size: in
         elif fresh:
             cache.release_layer(i)
         else:
-            cache.settle_layer(i)
+            settle_layer(cache, i)
         if after_layer is not None:
             after_layer()
         # the next layer's storage only once this one is compressed and freed

@@ -14,8 +14,7 @@ import torch
 from s4r.core.budget import KVShape, eviction_budget_tokens
 from s4r.errors import BudgetError
 from s4r.hf.attention import causal_attention, handoff
-from s4r.hf.cache import staged_tensors
-from s4r.layers.full import CacheLayer, StagingLayer, tensor_bytes
+from s4r.layers.full import CacheLayer, StagingLayer, staged_tensors, tensor_bytes
 
 # Appended tokens grow the storage in fixed steps: amortized appends without the doubling slack a
 # StagingLayer allows itself (which would show up in a memory benchmark as a bigger cache).

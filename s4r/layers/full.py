@@ -239,5 +239,11 @@ def project_queries(queries: torch.Tensor, basis_k: torch.Tensor) -> torch.Tenso
     return torch.matmul(queries.float(), head_blocks(basis_k, queries.shape[0]).float())
 
 
-__all__ = ["CacheLayer", "FullLayer", "StagingLayer", "head_blocks", "project_queries",
+def staged_tensors(layer: StagingLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(keys [H,T,d], values [H,T,d], queries [Hq,W,d] or None) of a staging layer, batch 1."""
+    q = layer.queries[0] if layer.queries is not None else None
+    return layer.keys_view[0], layer.values_view[0], q
+
+
+__all__ = ["CacheLayer", "FullLayer", "StagingLayer", "head_blocks", "project_queries", "staged_tensors",
            "tensor_bytes", "to_groups"]

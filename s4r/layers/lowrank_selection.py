@@ -249,8 +249,8 @@ class LatentSelection:
         return out
 
     def _rebuilt_keys(self, idx: torch.Tensor) -> torch.Tensor:
-        """The stored keys `idx` [H or 1, k] rebuilt dimension-major in fp32, [H, d, k] (rounds 6-9's
-        `rebuild_dtype="float32"`): the int8 band is gathered by column from its stored [G, r, N] layout
+        """The stored keys `idx` [H or 1, k] rebuilt dimension-major in fp32, [H, d, k]
+        (`rebuild_dtype="float32"`): the int8 band is gathered by column from its stored [G, r, N] layout
         and the lower bands stay planes, each through its own slice of the basis (the plane map folded
         into it), so no decoded coefficient rows are formed."""
         cols, scale = self._key_columns(idx)

@@ -1,9 +1,10 @@
 """Appended documents with bases of their own: a cache layer made of S4R segments.
 
 The first document's bases are fitted on its own tokens. A second document (`/read`, a second
-`--file`) folded into them loses most of what those bases do not span: in round 3 its needle's answer
-NLL rose +0.78 nats over the full cache while the first document's stayed at +0.0. So a large append
-is collected exact in the buffer while it is prefilled (`LowRankLayer.collecting`) and then settled
+`--file`) folded into them loses most of what those bases do not span: its needle's answer NLL rises
+far above the full cache's while the first document's stays level (docs/design.md, "Appended
+documents"). So a large append is collected exact in the buffer while it is prefilled
+(`LowRankLayer.collecting`) and then settled
 (`settle_appended`): compressed like a fresh document (hybrid sample, SVD, banded coefficients,
 outliers) into a segment with its own bases, at ranks the budget solver gives its own token count, so
 each segment keeps the ratio and so does the layer. Short appends (a chat turn, a small file) still
@@ -19,7 +20,7 @@ where the queries are (`query_end`), since its own length is not.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from s4r.errors import BudgetError
 from s4r.hf.attention import handoff
 from s4r.layers.full import CacheLayer
 from s4r.layers.lowrank import LowRankLayer
+
+if TYPE_CHECKING:
+    from s4r.hf.cache import CompressedCache
 
 
 class SegmentedLayer(CacheLayer):
@@ -234,12 +238,24 @@ def unspent_bytes(layer: CacheLayer, shape: KVShape, tokens: int) -> float:
     """Bytes the layer's first `tokens` tokens may still take under the ratio, beyond what they hold with
     the buffer emptied: the room their plan kept for a full buffer of new tokens (which a new last segment
     takes over, with its own room) and the rank solver's rounding. A new segment may spend them, so two
-    documents keep the ratio together instead of each keeping it alone (round 10: x5.96 at 5x)."""
+    documents keep the ratio together instead of each keeping it alone (which stores less than the ratio
+    allows)."""
     last = layer.last if isinstance(layer, SegmentedLayer) else layer
     if last.cfg.ratio is None or last.cfg.segment_budget != "layer":  # explicit ranks: no budget to share
         return 0.0
     held = layer.nbytes() - last.buffered * shape.full_bytes_per_token()
     return max(0.0, tokens * shape.full_bytes_per_token() / last.cfg.ratio - held)
+
+
+def settle_layer(cache: CompressedCache, i: int) -> None:
+    """Layer `i` of `cache` has the whole appended text: store it (a segment of its own, or folded)."""
+    cache.layers[i] = settle_appended(cache.layers[i], cache.shape)
+
+
+def settle_cache(cache: CompressedCache) -> None:
+    """Settle every layer after appending a text (oversized buffers folded into coefficients)."""
+    for i in range(len(cache.layers)):
+        settle_layer(cache, i)
 
 
 def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from s4r.hf.attention import handoff, install
-from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.hf.cache import CompressedCache
 from s4r.hf.generation import forward_tokens
-from s4r.layers.full import CacheLayer
+from s4r.layers.full import CacheLayer, staged_tensors
 
 
 @dataclass(frozen=True)

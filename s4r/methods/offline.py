@@ -22,8 +22,9 @@ from s4r.core.compress import LayerBases, compress_layer, fit_layer_bases
 from s4r.core.rope import model_rope_fn
 from s4r.errors import S4RError
 from s4r.hf.attention import install
-from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.hf.cache import CompressedCache
 from s4r.hf.generation import prefill
+from s4r.layers.full import staged_tensors
 from s4r.methods.base import CompressContext
 from s4r.methods.s4r import S4RMethod, plan_ranks
 

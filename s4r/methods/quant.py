@@ -14,7 +14,8 @@ from typing import ClassVar
 from s4r.core.budget import KVShape
 from s4r.core.quantize import PACKABLE_BITS, quant_bytes_per_token
 from s4r.errors import BudgetError
-from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.hf.cache import CompressedCache
+from s4r.layers.full import staged_tensors
 from s4r.layers.quant import QuantLayer
 from s4r.methods.base import CompressContext, OwnSettings
 

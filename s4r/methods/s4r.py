@@ -11,7 +11,8 @@ import torch
 from s4r.config import S4RConfig
 from s4r.core.budget import KVShape, allocate_ranks, group_shape, solve_ranks
 from s4r.core.compress import compress_layer, fit_layer_bases
-from s4r.hf.cache import CompressedCache, staged_tensors
+from s4r.hf.cache import CompressedCache
+from s4r.layers.full import staged_tensors
 from s4r.methods.base import CompressContext
 
 

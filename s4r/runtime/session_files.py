@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from s4r.errors import CacheFileError
 from s4r.runtime.persist import load_cache, read_header, save_cache
 
-if TYPE_CHECKING:
-    from s4r.runtime.session import Session
+# The functions here read and set the attributes of a `s4r.runtime.session.Session`, which imports this
+# module; naming the class here would close a circle, so it is taken as any object.
+SessionLike = Any
 
 # what must match between a saved cache and the session loading it: (identity key, what the error calls it)
 MATCHED = (("fingerprint", "model"), ("method", "method"), ("ratio", "ratio"), ("overrides", "settings"),
@@ -32,7 +33,7 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def session_identity(session: Session) -> dict[str, Any]:
+def session_identity(session: SessionLike) -> dict[str, Any]:
     """The model, method and settings a session's cache is made with."""
     return {"model": str(session.loaded.name), "fingerprint": model_fingerprint(session.model),
             "method": session.method, "ratio": session.ratio_requested if session.method != "full" else None,
@@ -41,7 +42,7 @@ def session_identity(session: Session) -> dict[str, Any]:
             "dtype": str(session.dtype).removeprefix("torch.")}
 
 
-def save_session(session: Session, path: str | Path) -> None:
+def save_session(session: SessionLike, path: str | Path) -> None:
     """Save the session's cache and what is needed to continue the conversation."""
     if session.cache is None:
         raise CacheFileError("nothing to save yet: ingest a document first")
@@ -70,7 +71,7 @@ def session_kwargs(meta: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
     return kwargs
 
 
-def restore_session(session: Session, path: str | Path, meta: dict[str, Any]) -> None:
+def restore_session(session: SessionLike, path: str | Path, meta: dict[str, Any]) -> None:
     """Fill a new `session` from the file at `path` (saved with `meta`); refuses a cache made with
     another model or settings."""
     saved, ours = meta.get("identity", {}), session_identity(session)
