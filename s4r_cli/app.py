@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import click
 import typer
 
-from s4r_cli import ask, books_cmd, chat, models_cmd
+from s4r_cli import ask, books_cmd, chat, models_cmd, serve
 from s4r_cli.cli_errors import PipeClosed, UsageError, error_message
 from s4r_cli.options import METHODS_PLACEHOLDER
 
@@ -48,6 +48,7 @@ chat.register(app)
 ask.register(app)
 models_cmd.register(app)
 books_cmd.register(app)
+serve.register(app)
 
 
 def _register_bench(app: typer.Typer) -> None:

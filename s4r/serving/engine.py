@@ -1,0 +1,170 @@
+"""`Engine`: one model answering chat requests over the documents of a `DocumentStore`, one at a time.
+
+A request's prompt is rendered (`s4r.serving.prompt`); the longest held document prefix of it is
+reused (from memory or from disk), or a long new one is ingested and kept; the rest of the prompt is
+prefilled over a fork of that cache and the answer decoded (`s4r.serving.generate`). Requests run in
+order behind one lock: the model and its attention hand-off serve a single forward at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from s4r.errors import ContextTooLongError
+from s4r.runtime.tokens import stop_token_ids
+from s4r.serving.disk_index import prefix_key
+from s4r.serving.document_store import Checkout, DocumentStore, HeldDocument, StoreSnapshot
+from s4r.serving.generate import Generated, Sampling, generate
+from s4r.serving.prompt import Message, RenderedPrompt, render
+
+# a first user message (or system prompt) of at least this many tokens is a document worth keeping
+MIN_DOCUMENT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One answer with what it cost: `cached_tokens` of the prompt came from a held document
+    (`cache`: "memory", "disk", "new" when ingested now, "none" when not kept)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    completion_tokens: int
+    cache: str
+    document: str | None
+    document_seconds: float
+    prefill_s: float
+    decode_s: float
+    kv_bytes: int
+    kv_full_bytes: int
+
+
+@dataclass
+class EngineCounters:
+    """Totals since the engine started."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    cancelled: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Answers chat messages over held documents (see the module doc). Thread-safe: one request at a
+    time holds `lock`."""
+
+    def __init__(self, loaded: Any, store: DocumentStore, *, default_system: str | None = None,
+                 max_tokens: int = 512, min_document_tokens: int = MIN_DOCUMENT_TOKENS,
+                 chunk_size: int = 512) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.default_system = default_system
+        self.max_tokens = max_tokens
+        self.min_document_tokens = min_document_tokens
+        self.chunk_size = chunk_size
+        self.context_length = int(loaded.context_length)
+        self.lock = threading.Lock()
+        self.counters = EngineCounters()
+        self._stop_ids = stop_token_ids(loaded.tokenizer, loaded.model)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.loaded.tokenizer.encode(text, add_special_tokens=False)
+
+    def render(self, messages: Sequence[Message]) -> RenderedPrompt:
+        """The prompt of `messages` (PromptError when they are no chat)."""
+        return render(messages, self.loaded.tokenizer, self.default_system)
+
+    def preload(self, text: str, name: str) -> tuple[HeldDocument, bool]:
+        """Hold `text` as a first user message's document (after the default system prompt). Returns the
+        document and whether it was ingested now (False: it was held already, in memory or on disk)."""
+        prompt = self.render([Message("user", text)])
+        prefix = prompt.text[:prompt.first_end]
+        with self.lock:
+            doc = self.store.get(prefix_key(prefix))
+            if doc is not None:
+                return doc, False
+            checkout = self.store.ingest(prefix, system=prompt.system, body=prompt.first_user, name=name,
+                                         fork=False)
+            assert checkout.document is not None
+            return checkout.document, True
+
+    def _document(self, prompt: RenderedPrompt, name: str) -> tuple[Checkout, int]:
+        """A cache for the prompt's document part, and where in the prompt text the rest starts."""
+        doc = self.store.find(prompt)
+        if doc is not None:
+            checkout = self.store.checkout(doc)
+            if checkout is not None:
+                return checkout, doc.length
+        text = prompt.text
+        if len(self._encode(prompt.first_user)) >= self.min_document_tokens:
+            end, body, keep = prompt.first_end, prompt.first_user, True
+        elif prompt.system and len(self._encode(text[:prompt.head_end])) >= self.min_document_tokens:
+            end, body, keep = prompt.head_end, "", True
+        else:
+            end, body, keep = prompt.first_end, prompt.first_user, False
+        return self.store.ingest(text[:end], system=prompt.system, body=body, name=name, keep=keep), end
+
+    def complete(self, messages: Sequence[Message] | RenderedPrompt, sampling: Sampling, *,
+                 on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] = lambda: False,
+                 on_prefilled: Callable[[], None] | None = None, name: str = "request") -> Completion:
+        """Answer `messages`; text pieces stream through `on_text`, `on_prefilled` is called once the
+        prompt is in the cache and the answer begins. A request cancelled before it gets the lock
+        answers nothing (finish reason "cancelled").
+
+        Raises PromptError for messages that are no chat and ContextTooLongError for a prompt over the
+        model's context.
+        """
+        prompt = messages if isinstance(messages, RenderedPrompt) else self.render(messages)
+        with self.lock:
+            if cancelled():
+                self.counters.cancelled += 1
+                return Completion("", "cancelled", 0, 0, 0, 0, "none", None, 0.0, 0.0, 0.0, 0, 0)
+            checkout, end = self._document(prompt, name)
+            rest_ids = self._encode(prompt.text[end:])
+            start = checkout.cache.logical_length()
+            room = self.context_length - start - len(rest_ids)
+            if room < 1:
+                raise ContextTooLongError(start + len(rest_ids) + 1, self.context_length)
+            limited = Sampling(**{**vars(sampling), "max_tokens": min(sampling.max_tokens, room)})
+            out: Generated = generate(
+                self.loaded.model, self.loaded.tokenizer, checkout.cache, rest_ids, start=start,
+                stop_ids=self._stop_ids, sampling=limited, chunk_size=self.chunk_size,
+                device=self.loaded.device, on_text=on_text, on_prefilled=on_prefilled, cancelled=cancelled)
+            reused = checkout.source in ("memory", "disk")
+            doc = checkout.document
+            completion = Completion(
+                text=out.text, finish_reason=out.finish_reason, prompt_tokens=start + len(rest_ids),
+                cached_tokens=start if reused else 0, prefilled_tokens=len(rest_ids),
+                completion_tokens=out.tokens, cache=checkout.source, document=doc.key if doc else None,
+                document_seconds=checkout.seconds, prefill_s=out.prefill_s, decode_s=out.decode_s,
+                kv_bytes=checkout.cache.nbytes(), kv_full_bytes=checkout.cache.full_nbytes())
+            del checkout, out  # the request's fork goes now, not at the next request
+            self._count(completion)
+        return completion
+
+    def _count(self, c: Completion) -> None:
+        n = self.counters
+        n.requests += 1
+        n.cancelled += c.finish_reason == "cancelled"
+        n.prompt_tokens += c.prompt_tokens
+        n.cached_tokens += c.cached_tokens
+        n.prefilled_tokens += c.prefilled_tokens
+        n.completion_tokens += c.completion_tokens
+        n.prefill_seconds += c.prefill_s
+        n.decode_seconds += c.decode_s
+        n.last = {"prefill_tok_s": c.prefilled_tokens / c.prefill_s if c.prefill_s > 0 else 0.0,
+                  "decode_tok_s": c.completion_tokens / c.decode_s if c.decode_s > 0 else 0.0}
+
+    def snapshot(self) -> tuple[EngineCounters, StoreSnapshot]:
+        """The engine's and the store's figures now."""
+        return self.counters, self.store.snapshot()

@@ -1,0 +1,78 @@
+"""The model's one worker thread and the hand-off of a request's events to the event loop.
+
+Requests run one at a time on a single thread (the engine's lock serves the same purpose for library
+callers); the event loop only waits, so /health and /metrics answer while the model works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.requests import Request
+
+# how often a waiting request asks whether its client is still there
+DISCONNECT_POLL_S = 0.25
+
+
+class RequestRun:
+    """One request on the worker: its events ("prefilled", "text", "done", "error") arrive in `events`;
+    `cancel` stops it at the next token (or before it starts)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        """Queue an event from the worker thread."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    async def next_event(self, request: Request) -> tuple[str, Any]:
+        """The next event; ("disconnected", None) when the client left first (the run is cancelled)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel.set()
+                    return "disconnected", None
+
+
+class ModelWorker:
+    """A single thread running requests in order, with a bound on how many may wait."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.pending = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4r-model")
+
+    def full(self) -> bool:
+        """Whether the queue (running and waiting requests) is at its bound."""
+        return self.pending >= self.max_queue
+
+    def start(self, work: Callable[[RequestRun], None]) -> RequestRun:
+        """Queue `work(run)` on the worker; the pending count drops when it has finished."""
+        loop = asyncio.get_running_loop()
+        run = RequestRun(loop)
+        self.pending += 1
+
+        def call() -> None:
+            try:
+                work(run)
+            except BaseException as exc:  # noqa: BLE001 - handed to the request, which answers with it
+                run.emit("error", exc)
+
+        future = loop.run_in_executor(self._executor, call)
+        future.add_done_callback(lambda _: self._finished())
+        return run
+
+    def _finished(self) -> None:
+        self.pending -= 1
+
+    def shutdown(self) -> None:
+        """Stop taking work; the running request finishes."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
