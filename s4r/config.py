@@ -127,6 +127,10 @@ class S4RConfig:
     # document's keys and values lie mostly in the first's subspace (the model's), so the bytes a basis of
     # its own would cost buy rank (docs/design.md, "Appended documents")
     segment_bases: Literal["own", "extend"] = "extend"
+    # decode kernels: "auto" runs the fused CPU step (`s4r.kernels`, numba) where it applies and the eager
+    # PyTorch step elsewhere; "eager" always runs the eager step (the reference the fused one is tested
+    # against); "fused" is "auto" under its explicit name
+    kernels: Literal["auto", "eager", "fused"] = "auto"
 
     def __post_init__(self) -> None:
         if self.ratio is not None:
@@ -176,6 +180,8 @@ class S4RConfig:
             raise ValueError(f"segment_bases must be own or extend, got {self.segment_bases!r}")
         if self.segment_budget not in ("layer", "segment"):
             raise ValueError(f"segment_budget must be layer or segment, got {self.segment_budget!r}")
+        if self.kernels not in ("auto", "eager", "fused"):
+            raise ValueError(f"kernels must be auto, eager or fused, got {self.kernels!r}")
         if self.segment_tokens < 0:
             raise ValueError("segment_tokens must be >= 0 (0: appended text folds into the first bases)")
 

@@ -95,9 +95,16 @@ def test_layer_speed_times_every_kernel_on_one_layer():
     keys, values = torch.randn(3, 900, 16, generator=g), torch.randn(3, 900, 16, generator=g)
     queries = torch.randn(9, 32, 16, generator=g)
     rope = model_rope_fn(tiny_model("llama"))  # head_dim 16: pre-RoPE keys need the rotary
-    times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2, rope=rope)
-    assert sorted(times) == ["full", "s4r 2.5", "s4r 2.5 scoring", "s4r 5", "s4r 5 scoring", "transformers"]
+    floors: dict = {}
+    times = layer_times(keys, values, queries, KVShape(2, 3, 9, 16, 4), [2.5, 5.0], repeats=2, rope=rope,
+                        floors=floors)
+    assert sorted(times) == ["full", "s4r 2.5", "s4r 2.5 eager", "s4r 2.5 scoring", "s4r 5", "s4r 5 eager",
+                             "s4r 5 scoring", "transformers"]
     assert all(ms > 0 for ms in times.values())
+    assert sorted(floors) == ["full", "s4r 2.5", "s4r 5"]
+    # exact attention reads every key and value: 2 * 901 tokens * 3 heads * 16 dims * 4 bytes
+    assert floors["full"][0] == 2 * 901 * 3 * 16 * 4
+    assert all(0 < floors[m][0] < floors["full"][0] and floors[m][1] > 0 for m in ("s4r 2.5", "s4r 5"))
 
 
 def test_the_speed_ceiling_counts_the_model_and_every_layer():
@@ -118,3 +125,4 @@ def test_layer_speed_runs_on_a_tiny_model(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "model step besides attention" in out
     assert "| 900 |" in out and "x (" in out
+    assert "share of floor" in out and "| 900 | s4r 5 |" in out

@@ -15,12 +15,14 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from s4r.bench.config import parse_lengths
 from s4r.bench.decode_speed import book_ids, staged_cache
+from s4r.bench.floors import full_floor, read_bandwidth, s4r_floor
 from s4r.config import S4RConfig
 from s4r.core.budget import KVShape, solve_ranks
 from s4r.core.compress import compress_layer
@@ -48,15 +50,20 @@ def plain_sdpa(query, key, value, scaling):
     return F.scaled_dot_product_attention(query, key, value, scale=scaling)
 
 
-def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int,
-                rope: RopeFn | None = None) -> dict[str, float]:
-    """Milliseconds per token of each kernel on one layer's [H, T, d] keys/values and [Hq, W, d] queries."""
+def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int, rope: RopeFn | None = None,
+                floors: dict[str, tuple[int, int]] | None = None) -> dict[str, float]:
+    """Milliseconds per token of each kernel on one layer's [H, T, d] keys/values and [Hq, W, d] queries;
+    `floors` gets each kernel's (bytes read, multiply-adds). `s4r R` is the default step (fused where
+    the kernels apply), `s4r R eager` its eager reference."""
+    floors = {} if floors is None else floors
     scaling = keys.shape[-1] ** -0.5
     query = queries[:, -1:].unsqueeze(0)
     new = keys[:, -1:].unsqueeze(0).clone()
     all_k, all_v = torch.cat([keys[None], new], 2), torch.cat([values[None], new], 2)
     out = {"transformers": best_ms(lambda: plain_sdpa(query, all_k, all_v, scaling), max(3, repeats // 6)),
            "full": best_ms(lambda: causal_attention(query, all_k, all_v, scaling), repeats)}
+    floors["full"] = full_floor(all_k.shape[2], keys.shape[0], keys.shape[2], query.shape[1],
+                                all_k.element_size())
     for ratio in ratios:
         cfg = S4RConfig(ratio=ratio)
         plan = solve_ranks(shape, cfg, keys.shape[1])
@@ -67,6 +74,10 @@ def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int,
             layer.attend(query, None, None, scaling)
             layer.truncate(layer.logical - 1)  # the same context every call
 
+        eager = compress_layer(keys, values, queries, replace(cfg, kernels="eager"), plan.rank_k, plan.rank_v,
+                               rope)
+        out[f"s4r {ratio:g} eager"] = best_ms(lambda eager=eager: step(eager), repeats)
+
         def scoring(layer=layer):
             layer.update(new, new)
             qf, exact_logits, q_len = layer.exact_step(query, scaling)
@@ -75,6 +86,8 @@ def layer_times(keys, values, queries, shape: KVShape, ratios, repeats: int,
             layer.truncate(layer.logical - 1)
 
         out[f"s4r {ratio:g}"] = best_ms(step, repeats)
+        step(layer)
+        floors[f"s4r {ratio:g}"] = s4r_floor(layer, query.shape[1])
         out[f"s4r {ratio:g} scoring"] = best_ms(scoring, repeats)
     return out
 
@@ -131,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         model_ms = model_step_ms(model, args.repeats)
         print(f"model step besides attention (16-token cache): {model_ms:.1f} ms; {shape.layers} layers")
         layer_ids = [i for i in layer_ids if i < len(staged.layers)] or [0]
-        names = ["transformers", "full"] + [f"s4r {r:g}{part}" for r in ratios for part in ("", " scoring")]
+        names = ["transformers", "full"] + [f"s4r {r:g}{part}" for r in ratios
+                                            for part in ("", " eager", " scoring")]
+        bandwidth = read_bandwidth()
+        print(f"one thread reads {bandwidth / 1e9:.1f} GB/s (a 64 MiB buffer summed)")
+        floor_rows = []
         methods = [f"s4r {r:g}" for r in ratios]
         print("| tokens | " + " | ".join(f"{x}, ms" for x in names) + " | "
               + " | ".join(f"{m}: step vs full (ceiling if only scoring)" for m in methods)
@@ -139,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         print("|---" * (2 + len(names) + len(methods)) + "|")
         for n in lengths:
             sums = dict.fromkeys(names, 0.0)
+            floors: dict[str, tuple[int, int]] = {}
             for i in layer_ids:
                 layer = staged.layers[i]
                 reps = n // layer.logical + 1
                 keys = layer.keys_view[0].repeat(1, reps, 1)[:, :n]
                 values = layer.values_view[0].repeat(1, reps, 1)[:, :n]
                 times = layer_times(keys, values, layer.queries[0], shape, ratios, args.repeats,
-                                    model_rope_fn(model))
+                                    model_rope_fn(model), floors)
                 for name, ms in times.items():
                     sums[name] += ms / len(layer_ids)
             # a whole step from one layer's kernels: the model's other work plus every layer's attention
@@ -154,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"({speed_ceiling(model_ms, shape.layers, sums['full'], sums[m + ' scoring']):.2f}x)"
                 for m in methods] + [f"{speed_ceiling(model_ms, shape.layers, sums['full'], 0.0):.2f}x"]
             print(f"| {n:,} | " + " | ".join(cells) + " |", flush=True)
+            for name, (nbytes, macs) in floors.items():
+                floor_ms = 1000 * nbytes / bandwidth
+                floor_rows.append(f"| {n:,} | {name} | {nbytes / 1e3:,.0f} | {macs / 1e6:.2f} | "
+                                  f"{floor_ms:.3f} | {sums[name]:.3f} | {floor_ms / sums[name]:.0%} |")
+        print("\n| tokens | kernel | KB read | M multiply-adds | floor at the read bandwidth, ms "
+              "| measured, ms | share of floor |\n|---|---|---|---|---|---|---|")
+        print("\n".join(floor_rows))
     return 0
 
 

@@ -94,7 +94,9 @@ class SegmentedLayer(CacheLayer):
         q_heads, q_len = query.shape[1], query.shape[2]
         self._tell_query_end()
         if self._global_selection():
-            parts = self._attend_globally(query, scaling)
+            from s4r.kernels.s4r_step import attend_segmented
+
+            parts = attend_segmented(self.segments, query, scaling) or self._attend_globally(query, scaling)
         else:
             parts = [s.attend_folded(query, scaling, with_lse=True) for s in self.segments]
         out = merge_partial_attention([p[0] for p in parts], [p[1] for p in parts])

@@ -1,0 +1,7 @@
+"""Fused decode kernels on CPU (numba), each beside the plain PyTorch code that stays its reference.
+
+`numba` brings its own compiler (LLVM inside the llvmlite wheel), so a plain `pip install` on a machine
+without a C compiler still compiles these kernels at first use; compiled code is cached on disk
+(`cache=True`). Where numba is missing or fails, one line is logged and the eager path runs.
+`S4RConfig.kernels` picks the path: "auto" (fused where supported), "eager", or "fused".
+"""

@@ -1,0 +1,135 @@
+"""numba plumbing the kernels share: availability (one line logged, once), the compile decorator, bit casts,
+bf16 widening/rounding and a vectorizable exp.
+
+Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
+an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger("s4r.kernels")
+
+try:  # the kernels' only dependency beyond torch; without it every caller keeps its eager path
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic, overload
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - exercised where numba is absent
+    numba = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+_state = {"warned": False, "failed": False}
+# reassociation lets sums vectorize; no `arcp` (a division must round as torch's does, e.g. the int8
+# quantization of a query) and no `ninf`/`nnan` (masked scores are -inf)
+FASTMATH = {"reassoc", "contract", "nsz"}
+
+
+def warn_once(reason: str) -> None:
+    """Log the one line saying the fused kernels are off and why (only the first time)."""
+    if not _state["warned"]:
+        _state["warned"] = True
+        log.warning("s4r: fused CPU kernels off (%s); using the eager path", reason)
+
+
+def available() -> bool:
+    """Whether the fused kernels can run here (numba imported and no kernel failed to compile)."""
+    if numba is None:
+        warn_once(f"numba unavailable: {_IMPORT_ERROR}")
+        return False
+    if os.environ.get("S4R_KERNELS", "").lower() == "eager":
+        return False
+    return not _state["failed"]
+
+
+def mark_failed(exc: BaseException) -> None:
+    """A kernel failed to compile or run: fused kernels stay off for this process."""
+    _state["failed"] = True
+    warn_once(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def kernel(fn: Callable) -> Callable:
+    """numba's `njit` as every kernel uses it: cached on disk, reassociated sums (`FASTMATH`)."""
+    if numba is None:
+        return fn
+    return numba.njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")(fn)
+
+
+def inline(fn: Callable) -> Callable:
+    """A helper inlined into the kernels that call it."""
+    if numba is None:
+        return fn
+    return numba.njit(cache=True, fastmath=FASTMATH, inline="always", error_model="numpy")(fn)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a CPU tensor; bf16 as uint16 bit patterns (widened by `as_f32`)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+if numba is not None:
+
+    @intrinsic
+    def u32_as_f32(typingctx, x):
+        """The float32 whose bits are the uint32 `x`."""
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_as_u32(typingctx, x):
+        """The bits of the float32 `x` as a uint32."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return sig, codegen
+
+    def as_f32(x):  # pragma: no cover - replaced by its overload inside kernels
+        """float32 of a stored element: bf16 bits (uint16) widened, anything else converted."""
+        raise NotImplementedError
+
+    @overload(as_f32, inline="always")
+    def _as_f32(x):
+        if x == types.uint16:
+            return lambda x: u32_as_f32(np.uint32(x) << np.uint32(16))
+        return lambda x: np.float32(x)
+
+    @inline
+    def round_bf16(x):
+        """The bf16 bits (uint16) of float32 `x`, rounded to nearest even as torch rounds."""
+        bits = f32_as_u32(np.float32(x))
+        bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        return np.uint16(bits >> np.uint32(16))
+
+    @inline
+    def fast_exp(x):
+        """exp(x) in float32 for x <= 0 (relative error below 2e-6), as a polynomial of 2^frac times a
+        power of two built from its exponent bits: unlike `math.exp` it vectorizes."""
+        x = max(np.float32(x), np.float32(-87.0))
+        t = x * np.float32(1.4426950408889634)
+        i = np.int32(t)  # truncation toward zero: frac in (-1, 0]
+        f = t - np.float32(i)
+        p = np.float32(1.5252734e-5)
+        p = p * f + np.float32(1.5403530e-4)
+        p = p * f + np.float32(1.3333558e-3)
+        p = p * f + np.float32(9.6181291e-3)
+        p = p * f + np.float32(5.5504109e-2)
+        p = p * f + np.float32(2.4022651e-1)
+        p = p * f + np.float32(6.9314718e-1)
+        p = p * f + np.float32(1.0)
+        return p * u32_as_f32(np.uint32(i + 127) << np.uint32(23))

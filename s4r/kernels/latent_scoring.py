@@ -1,0 +1,186 @@
+"""Scoring every stored token of an S4R layer for one decode query, fused (numba, CPU).
+
+Reference: `LatentSelection.latent_step` / `step_scores` (`s4r.layers.lowrank_selection`) with
+`s4r.core.latent.latent_logits`, `chunked_latent_logits` and `s4r.core.selection.pool_scores`. The same
+arithmetic: the query rows (un-rotated and turned by each chunk's mean rotation for pre-RoPE keys)
+projected on the key basis, rounded to int8 per row, dotted as integers with the int8 lead band (token
+axis innermost, so the loop vectorizes), rescaled by the query's and each token's scale. Relevance is
+kept in the log domain (max over query rows of logit - logsumexp, max-pooled), which orders tokens as
+the reference's probabilities do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from s4r.kernels.jit import as_f32, fast_exp, kernel
+
+TILE = 512  # tokens per tile: the int32 accumulator and the band's tile stay in L1
+
+
+@kernel
+def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull):
+    """q [H, M, d] fp32 query rows -> per chunk c: int8 lead coefficients q8 [C, R, lead] and their
+    scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients of every band qfull [R, rk].
+    `undo`: un-rotate from the query's own angles (cos_q, sin_q [d]) first; ccos/csin [C, d]: each chunk's
+    rotation (cos 1, sin 0 for none). blocks [H, d, rk]: each KV head's block of the key basis."""
+    heads, rows, d = q.shape
+    half = d // 2
+    chunks = ccos.shape[0]
+    rk = blocks.shape[2]
+    x = np.empty(d, np.float32)
+    y = np.empty(d, np.float32)
+    coef = np.empty(rk, np.float32)
+    for h in range(heads):
+        for m in range(rows):
+            r = h * rows + m
+            for i in range(d):
+                x[i] = q[h, m, i]
+            if undo:  # (x cos - rotate_half(x) sin) / (cos^2 + sin^2)
+                for i in range(d):
+                    rot = -x[i + half] if i < half else x[i - half]
+                    c, s = cos_q[i], sin_q[i]
+                    y[i] = (x[i] * c - rot * s) / (c * c + s * s)
+                for i in range(d):
+                    x[i] = y[i]
+            for ch in range(chunks):
+                for i in range(d):
+                    rot = -x[i + half] if i < half else x[i - half]
+                    y[i] = x[i] * ccos[ch, i] + rot * csin[ch, i]
+                for j in range(rk):
+                    coef[j] = 0.0
+                for i in range(d):
+                    yi = y[i]
+                    for j in range(rk):
+                        coef[j] += yi * blocks[h, i, j]
+                amax = np.float32(0.0)
+                for j in range(lead):
+                    amax = max(amax, abs(coef[j]))
+                scale = max(amax, np.float32(1e-30)) / np.float32(127.0)
+                for j in range(lead):
+                    q8[ch, r, j] = np.int8(np.rint(coef[j] / scale))
+                qscale[ch, r] = scale * np.float32(scaling)
+                if ch == chunks - 1:
+                    for j in range(rk):
+                        qfull[r, j] = coef[j]
+
+
+@kernel
+def exact_logits(q, ek, e, scaling, out):
+    """Logits out[r, t] (r = h * M + m) of the query rows q [H, M, d] on the exact tokens ek [H, >=e, d]."""
+    heads, rows, d = q.shape
+    for h in range(heads):
+        for t in range(e):
+            for m in range(rows):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += q[h, m, i] * as_f32(ek[h, t, i])
+                out[h * rows + m, t] = acc * np.float32(scaling)
+
+
+@kernel
+def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
+    """Logits logits[r, off + t] of every stored token t < n from the int8 lead band ck [G, lead, >=n]
+    (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
+    G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows)."""
+    chunks, nrows, lead = q8.shape[0], q8.shape[1], q8.shape[2]
+    groups = ck.shape[0]
+    acc = np.empty(TILE, np.int32)
+    for c in range(chunks):
+        lo, hi = bounds[c], min(bounds[c + 1], n)
+        for t0 in range(lo, hi, TILE):
+            t1 = min(t0 + TILE, hi)
+            w = t1 - t0
+            for r in range(nrows):
+                g = 0 if groups == 1 else r // rows
+                for t in range(w):
+                    acc[t] = 0
+                for j in range(lead):
+                    qv = np.int32(q8[c, r, j])
+                    band = ck[g, j]
+                    for t in range(w):
+                        acc[t] += qv * np.int32(band[t0 + t])
+                s = qscale[c, r]
+                for t in range(w):
+                    logits[r, off + t0 + t] = (np.float32(acc[t]) * s) * as_f32(sk[g, t0 + t])
+
+
+@kernel
+def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsum, candsum, keep):
+    """Per query row: the outliers' latent logits replaced by their exact ones (el[:, sinks + i]), then
+    the max and the sum of exp(logit - max) over the stored tokens and the other exact tokens (sinks,
+    buffer), and the same sum over the stored candidates t < cand that are not outliers.
+    keep: >= n float32 scratch (1 for a candidate, 0 for an outlier)."""
+    nrows = logits.shape[0]
+    for t in range(n):
+        keep[t] = 1.0
+    for i in range(n_out):
+        keep[out_idx[i]] = 0.0
+    for r in range(nrows):
+        for i in range(n_out):
+            logits[r, off + out_idx[i]] = el[r, sinks + i]
+        m = np.float32(-np.inf)
+        for t in range(n):
+            m = max(m, logits[r, off + t])
+        for t in range(sinks):
+            m = max(m, el[r, t])
+        for t in range(sinks + n_out, e):
+            m = max(m, el[r, t])
+        part = np.float32(0.0)
+        total = np.float32(0.0)
+        for t in range(cand):
+            p = fast_exp(logits[r, off + t] - m)
+            total += p
+            part += p * keep[t]
+        for t in range(cand, n):
+            total += fast_exp(logits[r, off + t] - m)
+        for t in range(sinks):
+            total += fast_exp(el[r, t] - m)
+        for t in range(sinks + n_out, e):
+            total += fast_exp(el[r, t] - m)
+        rowmax[r], rowsum[r], candsum[r] = m, total, part
+
+
+@kernel
+def pooled_relevance(logits, off, n, lse, pool, out_idx, n_out, work, scores):
+    """scores[off + t]: the largest over query rows of logit - lse (log relevance), max-pooled over
+    `pool` neighbouring tokens (odd), outliers -inf (attended exactly already). work: >= n + pool floats."""
+    nrows = logits.shape[0]
+    pad = pool // 2
+    for t in range(pad):
+        work[t] = -np.inf
+        work[pad + n + t] = -np.inf
+    for t in range(n):
+        work[pad + t] = logits[0, off + t] - lse[0]
+    for r in range(1, nrows):
+        lr = lse[r]
+        for t in range(n):
+            work[pad + t] = max(work[pad + t], logits[r, off + t] - lr)
+    for t in range(n):
+        best = work[t]
+        for j in range(1, pool):
+            best = max(best, work[t + j])
+        scores[off + t] = best
+    for i in range(n_out):
+        scores[off + out_idx[i]] = -np.inf
+
+
+@kernel
+def combine_normalisers(rowmax, rowsum, candsum, lse, candmass):
+    """lse[r] from each segment's (max, sum of exp(logit - max)) rows [S, R], and each row's probability
+    mass on the candidates of every segment (candsum: their sums of exp(logit - max))."""
+    segs, nrows = rowmax.shape
+    for r in range(nrows):
+        m = np.float32(-np.inf)
+        for s in range(segs):
+            m = max(m, rowmax[s, r])
+        total = np.float32(0.0)
+        for s in range(segs):
+            total += rowsum[s, r] * fast_exp(rowmax[s, r] - m)
+        lse[r] = m + np.float32(math.log(total))
+        mass = np.float32(0.0)
+        for s in range(segs):
+            mass += candsum[s, r] * fast_exp(rowmax[s, r] - lse[r])
+        candmass[r] = mass

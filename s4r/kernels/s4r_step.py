@@ -1,0 +1,270 @@
+"""One S4R decode step of a layer (or of every segment of a layer) through the fused kernels.
+
+Reference: `LowRankLayer.attend_folded` (one layer) and `SegmentedLayer._attend_globally` (segments
+chosen together), which stay the eager path; `usable` says where this one applies (one query token, a
+CPU, `query` scoring with one token set for every head, int8 coefficients, bf16 or fp32 tensors, a
+rotary embedding with static frequencies for pre-RoPE keys). Buffers are kept per layer and reused, grown
+only when the context outgrows them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from s4r.core.rope import angle_rows, chunk_rotations
+from s4r.kernels import jit
+from s4r.kernels.jit import as_numpy
+from s4r.kernels.latent_scoring import (
+    combine_normalisers,
+    exact_logits,
+    latent_logits,
+    normaliser,
+    pooled_relevance,
+    project_queries,
+)
+from s4r.kernels.sparse_attention import (
+    decode_rows,
+    latent_key_logits,
+    rotated_key_logits,
+    softmax_exact_values,
+)
+from s4r.kernels.token_selection import choose_tokens
+
+BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
+
+
+def usable(layer, query: torch.Tensor) -> bool:
+    """Whether the fused step computes this layer's attention of `query` [1, Hq, q, d]."""
+    cfg = layer.cfg
+    if cfg.kernels == "eager" or query.shape[2] != 1 or query.device.type != "cpu" or not layer._n:
+        return False
+    if layer.dtype not in (torch.bfloat16, torch.float32) or layer._sk is None:
+        return False
+    if cfg.scoring != "query" or not cfg.shared_selection or layer.query_coef is not None:
+        return False
+    if cfg.key_space == "pre_rope" and not hasattr(layer.rope, "rotary"):
+        return False
+    return jit.available()
+
+
+class Scratch:
+    """Named buffers of one layer, reused from step to step and regrown when a shape outgrows them."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        size = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < size or buf.dtype != dtype:
+            buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
+            self._bufs[name] = buf
+        return buf[:size].view(shape)
+
+    def np(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> np.ndarray:
+        return as_numpy(self.get(name, shape, dtype))
+
+
+def _scratch(layer) -> Scratch:
+    scratch = getattr(layer, "_fused_scratch", None)
+    if scratch is None:
+        scratch = layer._fused_scratch = Scratch()
+    return scratch
+
+
+def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """(fp32 key blocks [H, d, rk] as numpy, the key basis transposed for the rebuild [G, rk, W] in the
+    rebuild dtype, fp32 value blocks transposed [H, rv, d]), kept while the bases are the same tensors."""
+    memo = getattr(layer, "_fused_bases", None)
+    if memo is None or memo[0] is not layer.basis_k or memo[1] is not layer.basis_v:
+        from s4r.layers.full import head_blocks
+
+        blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous()
+        rebuild = layer.basis_k.transpose(1, 2).to(layer.rebuild_dtype).contiguous()
+        blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
+        memo = (layer.basis_k, layer.basis_v, blocks_k.numpy(), rebuild, blocks_v)
+        layer._fused_bases = memo
+    return memo[2], memo[3], memo[4]
+
+
+def _band_arrays(plan) -> tuple[np.ndarray, np.ndarray]:
+    bits = np.array([b for b, _ in plan.tails], dtype=np.int64)
+    widths = np.array([w for _, w in plan.tails], dtype=np.int64)
+    return bits, widths
+
+
+def _tails(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
+    codes, steps = (layer._tk, layer._tsk) if keys else (layer._tv, layer._tsv)
+    if codes is None:
+        groups = layer.basis_k.shape[0]
+        return np.zeros((groups, 1, 0), np.uint8), np.zeros((groups, 1, 0), np.float32)
+    return as_numpy(codes), as_numpy(steps)
+
+
+def _rotations(layer, n: int, d: int):
+    """(undo, cos_q, sin_q, chunk cos [C, d], chunk sin [C, d], bounds [C + 1]) of the step's query."""
+    if layer.cfg.key_space != "pre_rope":
+        return (False, np.ones(d, np.float32), np.zeros(d, np.float32), np.ones((1, d), np.float32),
+                np.zeros((1, d), np.float32), np.array([0, n], dtype=np.int64))
+    end = layer.logical if layer.query_end is None else layer.query_end
+    cos_q, sin_q = layer._query_angles(end, 1, torch.device("cpu"))
+    cos_q, sin_q = cos_q[0].float().numpy(), sin_q[0].float().numpy()
+    rotations = None
+    if layer.cfg.rope_scoring == "expected":
+        rotations = chunk_rotations(layer.rope, n, layer.cfg.rope_chunk or n, end - 1 - layer.sinks)
+    if rotations is None:
+        return (True, cos_q, sin_q, np.ones((1, d), np.float32), np.zeros((1, d), np.float32),
+                np.array([0, n], dtype=np.int64))
+    bounds, cos, sin = rotations
+    return True, cos_q, sin_q, cos.numpy(), sin.numpy(), np.asarray(bounds, dtype=np.int64)
+
+
+class _Part:
+    """What scoring one segment left for its attention."""
+
+    def __init__(self, layer, off: int, el: np.ndarray, qfull: np.ndarray) -> None:
+        self.layer, self.off, self.el, self.qfull = layer, off, el, qfull
+
+
+def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each segment's (fp32 output [H, M, d], logsumexp [H, M]) of `query` [1, Hq, 1, d], the stored
+    tokens chosen once over every segment (for one segment: `LowRankLayer.attend_folded`)."""
+    last = segments[-1]
+    heads, d = last.heads, last.head_dim
+    rows = query.shape[1] // heads
+    nrows = heads * rows
+    qf = query[0].reshape(heads, rows, d).float().contiguous()
+    q = qf.numpy()
+    total_n = sum(s._n for s in segments)
+    joint = _scratch(segments[0])
+    logits = joint.np("logits", (nrows, total_n))
+    scores = joint.np("scores", (total_n,))
+    rowmax = joint.np("rowmax", (len(segments), nrows))
+    rowsum = joint.np("rowsum", (len(segments), nrows))
+    candsum = joint.np("candsum", (len(segments), nrows))
+    lse, candmass = joint.np("lse", (nrows,)), joint.np("candmass", (nrows,))
+    k, k_max, forced = 0, 0, 0
+    for seg in segments:
+        fewest, most, forced = seg.selection_bounds(local=seg is last)
+        k, k_max = k + fewest, k_max + most
+    cand_total = total_n - min(forced, total_n)
+    parts, off = [], 0
+    for i, seg in enumerate(segments):
+        scratch, n, e = _scratch(seg), seg._n, seg.exact_length
+        blocks_k, _, _ = _bases(seg)
+        lead, rk = seg.plan_k.lead, blocks_k.shape[2]
+        undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, n, d)
+        chunks = ccos.shape[0]
+        q8 = scratch.np("q8", (chunks, nrows, lead), torch.int8)
+        qscale, qfull = scratch.np("qscale", (chunks, nrows)), scratch.np("qfull", (nrows, rk))
+        project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks_k, lead, scaling, q8, qscale, qfull)
+        el = scratch.np("el", (nrows, e))
+        exact_logits(q, as_numpy(seg._ek), e, scaling, el)
+        latent_logits(q8, qscale, bounds, as_numpy(seg._ck), as_numpy(seg._sk), n, rows, logits, off)
+        out_idx = np.zeros(0, np.int32) if seg.out_idx is None else seg.out_idx.numpy()
+        cand = min(max(cand_total - off, 0), n)
+        normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, out_idx, cand, rowmax[i], rowsum[i],
+                   candsum[i], scratch.np("keep", (n,)))
+        parts.append(_Part(seg, off, el, qfull))
+        off += n
+    combine_normalisers(rowmax, rowsum, candsum, lse, candmass)
+    for part in parts:
+        seg = part.layer
+        out_idx = np.zeros(0, np.int32) if seg.out_idx is None else seg.out_idx.numpy()
+        pool = seg.cfg.pool_kernel
+        pooled_relevance(logits, part.off, seg._n, lse, pool, out_idx, seg._n_out,
+                         _scratch(seg).np("pool", (seg._n + pool,)), scores)
+    if (room := last._token_room(forced)) is not None:
+        k, k_max = min(k, room), min(k_max, room)
+    picked = joint.np("picked", (total_n,), torch.int64)
+    drop = last.cfg.recon_drop
+    count = choose_tokens(scores, total_n, k, k_max, forced, 0.0 if drop is None else drop, drop is not None,
+                          logits, lse, candmass, joint.np("work", (total_n,)), picked)
+    picked = picked[:count]
+    results = []
+    for part in parts:
+        seg = part.layer
+        mine = picked[(picked >= part.off) & (picked < part.off + seg._n)] - part.off
+        results.append(_attend_part(part, mine, qf, logits, scaling, rows))
+        seg.fold_buffer()
+    return results
+
+
+def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndarray, scaling: float,
+                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seg = part.layer
+    heads, d = seg.heads, seg.head_dim
+    nrows = heads * rows
+    k = idx.shape[0]
+    seg.selected = torch.from_numpy(idx.copy()).unsqueeze(0).expand(heads, -1)
+    seg.rebuilt_tokens += k
+    seg.scored_tokens += seg._n
+    idx = np.ascontiguousarray(idx)
+    kpad = max(BUCKET, -(-k // BUCKET) * BUCKET)
+    scratch = _scratch(seg)
+    _, rebuild_t, blocks_v = _bases(seg)
+    sel = scratch.np(f"sel{kpad}", (nrows, kpad))
+    e = seg.exact_length
+    if seg.cfg.key_space == "pre_rope":
+        groups, rk, width = rebuild_t.shape
+        coefs = scratch.get(f"coefs{kpad}", (groups, kpad, rk), rebuild_t.dtype)
+        bits, widths = _band_arrays(seg.plan_k)
+        tk, tsk = _tails(seg, keys=True)
+        decode_rows(idx, k, as_numpy(seg._ck), as_numpy(seg._sk), tk, tsk, bits, widths, True,
+                    as_numpy(coefs))
+        keys = scratch.get(f"keys{kpad}", (groups, kpad, width), rebuild_t.dtype)
+        torch.matmul(coefs, rebuild_t, out=keys)
+        offset = getattr(seg.rope, "offset", 0)
+        angles = angle_rows(seg.rope.rotary, seg.sinks + seg._n + offset).numpy()
+        rotated_key_logits(qf.numpy(), as_numpy(keys), idx, k, seg.sinks + offset, angles, scaling, sel)
+    else:
+        lead = seg.plan_k.lead
+        qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - lead))
+        np.multiply(part.qfull[:, lead:], np.float32(scaling), out=qtail)
+        bits, widths = _band_arrays(seg.plan_k)
+        tk, tsk = _tails(seg, keys=True)
+        latent_key_logits(logits, part.off, idx, k, qtail, tk, tsk, bits, widths, rows, sel)
+    out = torch.empty(heads, rows, d)
+    lse = torch.empty(heads, rows)
+    softmax_exact_values(part.el, e, sel, k, as_numpy(seg._ev), out.numpy(), lse.view(-1).numpy())
+    if k:
+        groups_v, rv = seg._cv.shape[0], blocks_v.shape[1]
+        values = scratch.get(f"values{kpad}", (groups_v, kpad, rv))
+        bits, widths = _band_arrays(seg.plan_v)
+        tv, tsv = _tails(seg, keys=False)
+        decode_rows(idx, k, as_numpy(seg._cv), as_numpy(seg._sv), tv, tsv, bits, widths, False,
+                    values.numpy())
+        probs = torch.from_numpy(sel)[:, :k]
+        if groups_v == 1:
+            z = torch.matmul(probs, values[0, :k]).view(heads, rows, rv)
+        else:
+            z = torch.bmm(probs.view(heads, rows, k), values[:, :k])
+        out.baddbmm_(z, blocks_v)
+    return out, lse
+
+
+def attend_layer(layer, query: torch.Tensor, scaling: float,
+                 with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`LowRankLayer.attend_folded` through the fused kernels, or None where they do not apply (or
+    failed, after which the eager path runs for the rest of the process)."""
+    if not usable(layer, query):
+        return None
+    try:
+        out, lse = attend([layer], query, scaling)[0]
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here: eager from now on
+        jit.mark_failed(exc)
+        return None
+    return out, (lse if with_lse else None)
+
+
+def attend_segmented(segments: list, query: torch.Tensor,
+                     scaling: float) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """`SegmentedLayer._attend_globally` through the fused kernels, or None where they do not apply."""
+    if not all(usable(s, query) for s in segments):
+        return None
+    try:
+        return attend(segments, query, scaling)
+    except Exception as exc:  # noqa: BLE001
+        jit.mark_failed(exc)
+        return None

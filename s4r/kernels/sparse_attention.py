@@ -1,0 +1,164 @@
+"""Attention over an S4R layer's exact tokens and its selected stored tokens, fused (numba, CPU).
+
+Reference: `LatentSelection.selected_logits` (pre-RoPE keys: `_model_dtype_key_logits` /
+`_rebuilt_key_logits`; post-RoPE keys: latent logits plus `PlanarTail.logits`) and
+`LowRankLayer.attend_chosen` with `s4r.core.latent.merged_attention`. Keys are rebuilt only for the
+selected tokens (their coefficients decoded here, the basis product left to one BLAS/oneDNN call) and
+rotated to their positions; the softmax runs once over sinks + outliers + buffer + selected tokens;
+values are combined in the latent space (probability-weighted coefficient rows, one product with the
+value basis at the end).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from s4r.kernels.jit import as_f32, fast_exp, inline, kernel, numba
+
+if numba is not None:
+    from numba import types
+    from numba.extending import overload
+
+    from s4r.kernels.jit import round_bf16
+
+    def stored(x, arr):  # pragma: no cover - replaced by its overload inside kernels
+        """float32 `x` as an element of `arr` (bf16 bits for a uint16 array)."""
+        raise NotImplementedError
+
+    @overload(stored, inline="always")
+    def _stored(x, arr):
+        if arr.dtype == types.uint16:
+            return lambda x, arr: round_bf16(x)
+        return lambda x, arr: np.float32(x)
+else:  # pragma: no cover
+    def stored(x, arr):
+        return x
+
+
+@inline
+def decode_tail(codes, steps, bits, widths, dst, at):
+    """A token's lower coefficient bands (packed codes [bytes], steps [bands]) decoded in their natural
+    order into dst[at:]: code c of a b-bit band is (c - (2^b / 2 - 0.5)) * step, `coef_bands.decode_tails`."""
+    byte = 0
+    col = at
+    for band in range(bits.shape[0]):
+        b = bits[band]
+        per = 8 // b
+        nbytes = widths[band] * b // 8
+        mask = (1 << b) - 1
+        offset = np.float32((1 << b) / 2 - 0.5)
+        step = as_f32(steps[band])
+        for i in range(nbytes):
+            v = np.int32(codes[byte + i])
+            for s in range(per):
+                dst[col + i * per + s] = (np.float32((v >> (s * b)) & mask) - offset) * step
+        byte += nbytes
+        col += widths[band]
+
+
+@kernel
+def decode_rows(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, token_last, out):
+    """Coefficient rows out[b, j, :] of the selected tokens idx[:k] for each basis group b (rows past k up
+    to out's capacity zeroed): the int8 lead band times its scale, then the lower bands, each value
+    rounded once to out's dtype. lead_codes [G, lead, N] when `token_last` (keys) else [G, N, lead]."""
+    groups = out.shape[0]
+    rank = out.shape[2]
+    lead = lead_codes.shape[1] if token_last else lead_codes.shape[2]
+    row = np.empty(rank, np.float32)
+    for g in range(groups):
+        for j in range(k):
+            t = idx[j]
+            s = as_f32(lead_scale[g, t])
+            for c in range(lead):
+                code = lead_codes[g, c, t] if token_last else lead_codes[g, t, c]
+                row[c] = np.float32(code) * s
+            if bits.shape[0]:
+                decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, row, lead)
+            for c in range(rank):
+                out[g, j, c] = stored(row[c], out)
+        for j in range(k, out.shape[1]):
+            for c in range(rank):
+                out[g, j, c] = 0
+
+
+@kernel
+def rotated_key_logits(q, keys, idx, k, pos0, angles, scaling, out):
+    """Logits out[r, j] of the query rows q [H, M, d] on the rebuilt pre-RoPE keys keys [B, >=k, W] of
+    the tokens idx[:k] (B = 1: one layer basis, head h's key at columns h*d..; B = H: per head), each
+    rotated to its position idx[j] + pos0 by the angle rows [P, d] (cos of the d/2 pairs, then sin)."""
+    heads, rows, d = q.shape
+    half = d // 2
+    shared = keys.shape[0] == 1
+    rot = np.empty(d, np.float32)
+    for j in range(k):
+        ang = angles[idx[j] + pos0]
+        for h in range(heads):
+            g = 0 if shared else h
+            base = h * d if shared else 0
+            for i in range(half):
+                x1 = as_f32(keys[g, j, base + i])
+                x2 = as_f32(keys[g, j, base + half + i])
+                c, s = ang[i], ang[half + i]
+                rot[i] = x1 * c - x2 * s
+                rot[half + i] = x2 * c + x1 * s
+            for m in range(rows):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += q[h, m, i] * rot[i]
+                out[h * rows + m, j] = acc * np.float32(scaling)
+
+
+@kernel
+def latent_key_logits(logits, off, idx, k, qtail, tail_codes, tail_steps, bits, widths, rows, out):
+    """Logits out[r, j] of post-RoPE keys on the selected tokens idx[:k]: their lead-band logits from the
+    scoring (logits[r, off + idx[j]]) plus the lower bands' share, qtail [R, w] (the query's lower-band
+    coefficients times the scaling) dotted with each token's decoded lower bands."""
+    nrows, width = qtail.shape
+    groups = tail_codes.shape[0]
+    dec = np.empty(width, np.float32)
+    for j in range(k):
+        t = idx[j]
+        for g in range(groups):
+            if width:
+                decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, dec, 0)
+            first, last = (0, nrows) if groups == 1 else (g * rows, (g + 1) * rows)
+            for r in range(first, last):
+                acc = np.float32(0.0)
+                for c in range(width):
+                    acc += qtail[r, c] * dec[c]
+                out[r, j] = logits[r, off + t] + acc
+
+
+@kernel
+def softmax_exact_values(el, e, sel, k, ev, out, lse):
+    """One softmax per query row over its exact logits el[r, :e] and selected logits sel[r, :k]: the
+    selected probabilities replace sel in place, out [H, M, d] gets the exact values' share (values ev
+    [H, >=e, d]) and lse[r] the logsumexp."""
+    heads, rows, d = out.shape
+    for h in range(heads):
+        for m in range(rows):
+            r = h * rows + m
+            top = np.float32(-np.inf)
+            for t in range(e):
+                top = max(top, el[r, t])
+            for j in range(k):
+                top = max(top, sel[r, j])
+            total = np.float32(0.0)
+            for t in range(e):
+                total += fast_exp(el[r, t] - top)
+            for j in range(k):
+                p = fast_exp(sel[r, j] - top)
+                sel[r, j] = p
+                total += p
+            inv = np.float32(1.0) / total
+            for j in range(k):
+                sel[r, j] *= inv
+            for i in range(d):
+                out[h, m, i] = 0.0
+            for t in range(e):
+                p = fast_exp(el[r, t] - top) * inv
+                for i in range(d):
+                    out[h, m, i] += p * as_f32(ev[h, t, i])
+            lse[r] = top + np.float32(math.log(total))

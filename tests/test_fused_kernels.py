@@ -1,0 +1,142 @@
+"""The fused CPU decode step (`s4r.kernels`) against the eager step it replaces: outputs, logsumexps and
+the chosen tokens over key spaces, bands, granularities, head groupings, dtypes and segments."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from s4r.config import S4RConfig
+from s4r.core.compress import compress_layer
+from s4r.core.rope import model_rope_fn, shifted
+from s4r.kernels import jit
+from s4r.layers.segments import SegmentedLayer
+from tests.helpers import tiny_model
+
+pytest.importorskip("numba")
+
+D = 32
+
+
+def rope_for(q_heads: int, kv_heads: int):
+    return model_rope_fn(tiny_model(head_dim=D, hidden_size=D * q_heads, num_attention_heads=q_heads,
+                                    num_key_value_heads=kv_heads, num_hidden_layers=1))
+
+
+def kv_data(kv_heads: int, q_heads: int, tokens: int, dtype: torch.dtype, seed: int = 0):
+    """Low-rank-ish keys (what a basis captures, plus noise), random values and recent queries."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(kv_heads, D, 12, generator=g)
+    keys = torch.randn(kv_heads, tokens, 12, generator=g) @ basis.transpose(1, 2)
+    keys = keys + 0.1 * torch.randn(kv_heads, tokens, D, generator=g)
+    values = torch.randn(kv_heads, tokens, D, generator=g)
+    queries = torch.randn(q_heads, 32, D, generator=g)
+    return keys.to(dtype), values.to(dtype), queries.to(dtype)
+
+
+def eager_twin(layer):
+    twin = copy.deepcopy(layer)
+    for seg in getattr(twin, "segments", [twin]):
+        seg.cfg = replace(seg.cfg, kernels="eager")
+    return twin
+
+
+def step_both(layer, q_heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 1):
+    """One decode step of `layer` through the fused path and of its eager twin: both outputs."""
+    twin = eager_twin(layer)
+    g = torch.Generator().manual_seed(seed)
+    new_k = torch.randn(1, kv_heads, 1, D, generator=g).to(dtype)
+    new_v = torch.randn(1, kv_heads, 1, D, generator=g).to(dtype)
+    query = torch.randn(1, q_heads, 1, D, generator=g).to(dtype)
+    from s4r.kernels.s4r_step import usable
+
+    assert all(usable(seg, query) for seg in getattr(layer, "segments", [layer]))
+    outs = []
+    for lay in (layer, twin):
+        lay.update(new_k, new_v)
+        outs.append(lay.attend(query, None, None, D ** -0.5).float())
+    assert not jit._state["failed"], "a fused kernel failed, so the eager path ran instead"
+    return outs[0], outs[1], twin
+
+
+def selected_sets(layer):
+    segs = getattr(layer, "segments", [layer])
+    return [set(s.selected[0].tolist()) if s.selected is not None else set() for s in segs]
+
+
+CONFIGS = {
+    "pre-rope": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1),
+    "pre-rope-budget": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, recon_token_cap=0),
+    "pre-rope-aligned-int8": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, coef_bands=None,
+                                       rope_scoring="aligned", recon_drop=None),
+    "post-rope": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24, pool_kernel=1),
+    "post-rope-int8": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24, pool_kernel=1,
+                              coef_bands=None),
+    "per-head-bases": S4RConfig(ratio=None, rank_k=16, rank_v=16, pool_kernel=1, granularity="head"),
+    "post-rope-per-head": replace(S4RConfig.fast(5.0), ratio=None, rank_k=16, rank_v=16, pool_kernel=1,
+                                  granularity="head"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("heads", [(9, 3), (4, 2), (2, 2)])
+def test_fused_step_is_the_eager_step(name, heads):
+    q_heads, kv_heads = heads
+    cfg = CONFIGS[name]
+    keys, values, queries = kv_data(kv_heads, q_heads, 700, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
+    fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.float32)
+    assert selected_sets(layer) == selected_sets(twin)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    assert layer.rebuilt_tokens == twin.rebuilt_tokens and layer.scored_tokens == twin.scored_tokens
+
+
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_fused_step_over_segments_is_the_eager_step(key_space):
+    q_heads, kv_heads = 9, 3
+    rope = rope_for(q_heads, kv_heads)
+    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, key_space=key_space)
+    k1, v1, q1 = kv_data(kv_heads, q_heads, 600, torch.float32, seed=3)
+    k2, v2, q2 = kv_data(kv_heads, q_heads, 500, torch.float32, seed=4)
+    first = compress_layer(k1, v1, q1, cfg, 24, 24, rope)
+    second = compress_layer(k2, v2, q2, replace(cfg, sinks=0), 20, 20, shifted(rope, 600))
+    layer = SegmentedLayer([first, second])
+    fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.float32)
+    assert selected_sets(layer) == selected_sets(twin)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_fused_bf16_step_with_pooling_stays_close(key_space):
+    """bf16 storage and the default max pooling (runs of equal scores, whose order the two top-k
+    searches break differently): nearly the same tokens, nearly the same output."""
+    q_heads, kv_heads = 9, 3
+    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, key_space=key_space)
+    keys, values, queries = kv_data(kv_heads, q_heads, 900, torch.bfloat16)
+    layer = compress_layer(keys, values, queries, cfg, 24, 24, rope_for(q_heads, kv_heads))
+    fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.bfloat16)
+    mine, theirs = selected_sets(layer)[0], selected_sets(twin)[0]
+    assert len(mine ^ theirs) <= 0.05 * len(theirs)
+    assert (fused - eager).abs().max() < 0.05 * eager.abs().max()
+
+
+def test_the_eager_setting_and_a_missing_numba_run_the_eager_path(monkeypatch, caplog):
+    q_heads, kv_heads = 4, 2
+    keys, values, queries = kv_data(kv_heads, q_heads, 300, torch.float32)
+    cfg = S4RConfig(ratio=None, rank_k=16, rank_v=16, kernels="eager")
+    layer = compress_layer(keys, values, queries, cfg, 16, 16, rope_for(q_heads, kv_heads))
+    from s4r.kernels.s4r_step import usable
+
+    query = torch.randn(1, q_heads, 1, D)
+    assert not usable(layer, query)
+    layer.cfg = replace(cfg, kernels="auto")
+    assert usable(layer, query)
+    monkeypatch.setattr(jit, "numba", None)
+    monkeypatch.setitem(jit._state, "warned", False)
+    with caplog.at_level(logging.WARNING, logger="s4r.kernels"):
+        assert not usable(layer, query) and not usable(layer, query)
+    assert len([r for r in caplog.records if "eager path" in r.getMessage()]) == 1
