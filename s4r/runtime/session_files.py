@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from s4r.distributed.rank_files import check_saved_ranks, ranks_meta
 from s4r.errors import CacheFileError
 from s4r.runtime.persist import load_cache, read_header, save_cache
 
@@ -49,7 +50,7 @@ def save_session(session: Session, path: str | Path) -> None:
     meta = {"identity": session_identity(session), "system": session.system, "state": session._state,
             "document_tokens": session.document_tokens, "documents": session.documents,
             "doc_checkpoint": list(cp) if cp else None, "compress_info": session.compress_info,
-            "tokens": session.logical_length}
+            "tokens": session.logical_length, "ranks": ranks_meta()}
     save_cache(path, session.cache, meta)
 
 
@@ -73,6 +74,7 @@ def session_kwargs(meta: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
 def restore_session(session: Session, path: str | Path, meta: dict[str, Any]) -> None:
     """Fill a new `session` from the file at `path` (saved with `meta`); refuses a cache made with
     another model or settings."""
+    check_saved_ranks(meta, path)
     saved, ours = meta.get("identity", {}), session_identity(session)
     for key, label in MATCHED:
         if saved.get(key) != ours.get(key):
@@ -80,7 +82,7 @@ def restore_session(session: Session, path: str | Path, meta: dict[str, Any]) ->
             raise CacheFileError(f"saved cache {path} was made with {label} {saved.get(shown)!r}, "
                                  f"this session uses {ours.get(shown)!r}")
     cache = session._new_cache()
-    load_cache(path, cache, session.rope, session.device)
+    load_cache(path, cache, session.rope, getattr(session, "layer_devices", None) or session.device)
     session.cache = cache
     session._state = meta.get("state", "open")
     session.document_tokens = int(meta.get("document_tokens", 0))
