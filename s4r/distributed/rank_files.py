@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from s4r.distributed.world import World, current
 from s4r.errors import CacheFileError
+
+if TYPE_CHECKING:  # the CLI checks a path with `exists` before torch is imported
+    from s4r.distributed.world import World
+
+
+def _current() -> World:
+    from s4r.distributed.world import current
+
+    return current()
 
 _PART = re.compile(r"\.rank(\d+)-of-(\d+)$")
 
@@ -25,7 +34,7 @@ def part_path(path: str | Path, rank: int, size: int) -> Path:
 
 def rank_path(path: str | Path, world: World | None = None) -> Path:
     """This rank's file for the cache `path`."""
-    world = world or current()
+    world = world or _current()
     return part_path(path, world.rank, world.size)
 
 
@@ -53,7 +62,7 @@ def exists(path: str | Path) -> bool:
 def load_path(path: str | Path, world: World | None = None) -> Path:
     """This rank's file of the saved cache `path`; a CacheFileError in one line when it was saved by
     another number of ranks than this run has."""
-    world = world or current()
+    world = world or _current()
     path = Path(path)
     mine = rank_path(path, world)
     if mine.is_file():
@@ -71,7 +80,7 @@ def load_path(path: str | Path, world: World | None = None) -> Path:
 
 def check_saved_ranks(meta: dict, path: str | Path, world: World | None = None) -> None:
     """Refuse a part file whose header says it belongs to another rank or rank count (a renamed file)."""
-    world = world or current()
+    world = world or _current()
     saved = meta.get("ranks") or {"rank": 0, "of": 1}
     if (int(saved.get("rank", 0)), int(saved.get("of", 1))) != (world.rank, world.size):
         raise CacheFileError(f"saved cache {path} is the part of rank {saved.get('rank')} of "
@@ -80,5 +89,5 @@ def check_saved_ranks(meta: dict, path: str | Path, world: World | None = None) 
 
 def ranks_meta(world: World | None = None) -> dict[str, int]:
     """What a saved part records about the ranks that wrote it."""
-    world = world or current()
+    world = world or _current()
     return {"rank": world.rank, "of": world.size}
