@@ -56,6 +56,14 @@ def start_ranks(device: str) -> Any:
     return me
 
 
+def mute_followers() -> None:
+    """Before anything is parsed or loaded: a follower rank of a torchrun launch writes nothing (rank 0
+    reports bad options and errors once). Reads only the environment, so torch is not imported."""
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1") and os.environ.get("RANK", "0") != "0" \
+            and os.environ.get(LOG_ALL_ENV) != "1":
+        _mute()
+
+
 def _mute() -> None:
     """Send this process's stdout and stderr (Python's and the C libraries') to /dev/null."""
     devnull = os.open(os.devnull, os.O_WRONLY)
