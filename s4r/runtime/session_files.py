@@ -29,6 +29,8 @@ def model_fingerprint(model) -> str:
                 "num_key_value_heads", "head_dim", "vocab_size"):
         digest.update(f"{key}={getattr(cfg, key, None)};".encode())
     emb = model.get_input_embeddings().weight
+    if hasattr(emb, "to_local"):  # tensor parallel: this rank's slice identifies its part of the cache
+        emb = emb.to_local()
     digest.update(emb.detach()[:8].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
