@@ -30,10 +30,8 @@ def module_device(module: Any) -> torch.device | None:
 
 
 def layer_devices(model: Any) -> list[torch.device] | None:
-    """The device each decoder layer runs on when accelerate placed the model's layers (a
-    ``hf_device_map``); None for a model on one device, whose cache simply follows its keys."""
-    if not getattr(model, "hf_device_map", None):
-        return None
+    """The device each decoder layer runs on (all the same for a model on one device; several where
+    accelerate's device_map spread the layers); None where the model has no plain list of layers."""
     layers = decoder_layers(model)
     if not layers:
         return None
