@@ -12,7 +12,7 @@ from s4r_cli.checks import check_cache_path, check_method, check_model_spec
 from s4r_cli.cli_errors import UsageError, pipe_guard
 from s4r_cli.documents import Document, read_book_documents, read_document_stream, read_documents, stdin_bytes
 from s4r_cli.options import CommonArgs, common_args, with_options
-from s4r_cli.ranks import finish, memory_fields, on_main, start_ranks
+from s4r_cli.ranks import collectives_checked, finish, memory_fields, on_main, start_ranks
 from s4r_cli.session_setup import open_model, open_session
 from s4r_cli.ui import UI, short_dtype, stop_notice
 
@@ -107,7 +107,8 @@ def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: 
     """
     start_ranks(args.device)
     try:
-        return _answer(args, question, verbose, as_json)
+        with collectives_checked():
+            return _answer(args, question, verbose, as_json)
     finally:
         finish()
 

@@ -11,7 +11,15 @@ from s4r_cli.checks import check_cache_path, check_method, check_model_spec
 from s4r_cli.cli_errors import UsageError, pipe_guard
 from s4r_cli.documents import Document, read_book_documents, read_document_stream, read_documents, stdin_bytes
 from s4r_cli.options import CommonArgs, common_args, with_options
-from s4r_cli.ranks import RankReader, finish, is_main_rank, launched, on_main, start_ranks
+from s4r_cli.ranks import (
+    RankReader,
+    collectives_checked,
+    finish,
+    is_main_rank,
+    launched,
+    on_main,
+    start_ranks,
+)
 from s4r_cli.session_setup import open_model, open_session
 from s4r_cli.ui import UI
 
@@ -46,7 +54,8 @@ def run_chat(args: CommonArgs) -> int:
     """
     start_ranks(args.device)
     try:
-        return _chat(args)
+        with collectives_checked():
+            return _chat(args)
     finally:
         finish()
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from s4r_cli.cli_errors import UsageError
@@ -182,6 +183,20 @@ def memory_fields(memory: Any) -> dict[str, Any]:
     return {"ranks": me.size, "kv_bytes_per_rank": stored, "kv_full_bytes_per_rank": full,
             "kv_bytes": sum(stored), "kv_full_bytes": sum(full),
             "ratio_achieved": sum(full) / sum(stored) if sum(stored) else float("inf")}
+
+
+@contextmanager
+def collectives_checked() -> Iterator[None]:
+    """Under torchrun, a collective that failed inside the model (a rank died: gloo's "connection closed",
+    NCCL's errors, a timeout) becomes one line saying another rank stopped."""
+    from s4r.distributed import world
+
+    try:
+        yield
+    except RuntimeError as exc:
+        if not world.current().distributed or isinstance(exc, world.RankError):
+            raise
+        raise world.lost(exc) from None
 
 
 def finish() -> None:

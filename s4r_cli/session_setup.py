@@ -32,10 +32,11 @@ def open_model(args: CommonArgs, ui: UI) -> Any:
     except DeviceError as e:
         raise UsageError(error_message(e)) from None
     apply_threads(args.threads, getattr(device, "type", str(device)))
+    # under torchrun the ranks split the model's heads
+    split = {"tensor_parallel": current().size} if current().distributed else {}
     with ui.loading(args.model) as progress:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype.value, quant=args.quant.value,
-                             progress=progress, rope_scaling=args.rope_scaling,
-                             tensor_parallel=current().size)  # torchrun's ranks split the heads
+                             progress=progress, rope_scaling=args.rope_scaling, **split)
     if args.rope_scaling is not None:
         sys.stderr.write(f"s4r: warning: RoPE scaling x{args.rope_scaling:g} extends the context to "
                          f"{loaded.context_length:,} tokens; answer quality may drop\n")
