@@ -121,7 +121,9 @@ def fill_method_help(command: click.Command) -> None:
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code; every failure becomes one line on stderr."""
     from s4r.errors import ContextTooLongError, S4RError
+    from s4r_cli.ranks import mute_followers
 
+    mute_followers()  # under torchrun only rank 0 speaks
     command = typer.main.get_command(app)
     try:
         args = list(argv) if argv is not None else sys.argv[1:]

@@ -12,6 +12,7 @@ from s4r_cli.checks import check_cache_path, check_method, check_model_spec
 from s4r_cli.cli_errors import UsageError, pipe_guard
 from s4r_cli.documents import Document, read_book_documents, read_document_stream, read_documents, stdin_bytes
 from s4r_cli.options import CommonArgs, common_args, with_options
+from s4r_cli.ranks import collectives_checked, finish, memory_fields, on_main, start_ranks
 from s4r_cli.session_setup import open_model, open_session
 from s4r_cli.ui import UI, short_dtype, stop_notice
 
@@ -99,7 +100,20 @@ def result_record(answer: str, stats: Any, args: CommonArgs, loaded: Any, sessio
 
 
 def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: bool = False) -> int:
-    """Validate, load, ingest, answer. Returns the exit code (0, or 130 when Ctrl-C cut the answer)."""
+    """Validate, load, ingest, answer. Returns the exit code (0, or 130 when Ctrl-C cut the answer).
+
+    Under torchrun rank 0 reads the input and every rank answers with its share of the model's heads
+    (`s4r_cli.ranks`); --json then reports the cache's bytes per rank and in all.
+    """
+    start_ranks(args.device)
+    try:
+        with collectives_checked():
+            return _answer(args, question, verbose, as_json)
+    finally:
+        finish()
+
+
+def _validated_input(args: CommonArgs, question: str) -> list[Document]:
     if not question.strip():
         raise UsageError("the question is empty")
     docs = gather_documents(args)
@@ -107,7 +121,11 @@ def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: 
         check_cache_path(args.load)
     check_model_spec(args.model)
     check_method(args.method)
+    return docs
 
+
+def _answer(args: CommonArgs, question: str, verbose: bool, as_json: bool) -> int:
+    docs = on_main(lambda: _validated_input(args, question))
     ui = UI.for_ask()
     loaded = open_model(args, ui)
     session, ingest_seconds, dropped = open_session(args, loaded, docs, ui)
@@ -118,6 +136,7 @@ def run_ask(args: CommonArgs, question: str, *, verbose: bool = False, as_json: 
         answer, stats = session.ask(question, **args.generation.kwargs())
         record = result_record(answer, stats, args, loaded, session, ingest_seconds,
                                truncated_tokens=dropped)
+        record.update(memory_fields(stats.memory))  # every rank's cache, under torchrun
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
     else:

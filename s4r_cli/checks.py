@@ -29,8 +29,10 @@ def check_device(device: str) -> str:
 
 def check_cache_path(path: str) -> Path:
     """A --load / /load path must be an existing file (missing file: usage error; bad contents: exit 1)."""
+    from s4r.distributed.rank_files import exists
+
     p = Path(path).expanduser()
-    if not p.exists():
+    if not p.exists() and not exists(p):  # several ranks saved it as parts beside `path`
         raise UsageError(f"saved cache not found: {path}")
     if p.is_dir():
         raise UsageError(f"{path} is a directory, not a saved cache")

@@ -22,6 +22,7 @@ def open_model(args: CommonArgs, ui: UI) -> Any:
     Returns the LoadedModel. A device that is not there (`--device cuda` without a GPU) is bad input:
     UsageError, exit 2. With --rope-scaling, one warning line on stderr says how far the context reaches.
     """
+    from s4r.distributed.world import current
     from s4r.errors import DeviceError
     from s4r.models.loading import load_model, resolve_device
     from s4r.runtime.threads import apply_threads
@@ -31,9 +32,11 @@ def open_model(args: CommonArgs, ui: UI) -> Any:
     except DeviceError as e:
         raise UsageError(error_message(e)) from None
     apply_threads(args.threads, getattr(device, "type", str(device)))
+    # under torchrun the ranks split the model's heads
+    split = {"tensor_parallel": current().size} if current().distributed else {}
     with ui.loading(args.model) as progress:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype.value, quant=args.quant.value,
-                             progress=progress, rope_scaling=args.rope_scaling)
+                             progress=progress, rope_scaling=args.rope_scaling, **split)
     if args.rope_scaling is not None:
         sys.stderr.write(f"s4r: warning: RoPE scaling x{args.rope_scaling:g} extends the context to "
                          f"{loaded.context_length:,} tokens; answer quality may drop\n")
@@ -90,10 +93,13 @@ def open_session(args: CommonArgs, loaded: Any, docs: Sequence[Document],
     itself is kept uncompressed, said in one line.
     """
     from s4r.runtime.session import Session
+    from s4r_cli.ranks import on_every_rank
 
     check_ratio_reachable(args, loaded)
     if args.load:
-        session = Session.load(args.load, loaded, **args.session_kwargs(only_explicit=True))
+        # under torchrun each rank reads its own part; a rank whose part is refused stops them all
+        given = args.session_kwargs(only_explicit=True)
+        session = on_every_rank(lambda: Session.load(args.load, loaded, **given))
     else:
         session = Session(loaded, **args.session_kwargs())
     seconds, dropped = 0.0, 0

@@ -24,6 +24,8 @@ class CompressedCache(Cache):
         # layer-wise ingest: staging layers still being filled, and the build waiting for them
         self._held: set[int] = set()
         self._pending_build: Callable[[int, StagingLayer], CacheLayer] | None = None
+        # the device of each layer where accelerate spread the model's layers (None: one device)
+        self.devices: list[torch.device] | None = None
 
     # --- accounting -------------------------------------------------------------------------------
     def logical_length(self) -> int:
@@ -84,6 +86,8 @@ class CompressedCache(Cache):
         layer = self.layers[i]
         if type(layer) is not StagingLayer or layer.logical:
             return
+        if self.devices is not None:
+            device = self.devices[i]
         shape = (1, self.shape.kv_heads, tokens, self.shape.head_dim)
         # one update of `tokens` (broadcast zeros, nothing allocated for them) sizes the storage exactly;
         # the length goes back to 0 so the real keys/values fill it from the start

@@ -48,6 +48,20 @@ def _bnb_config(quant: str, dtype: torch.dtype) -> Any:
 
 
 
+def _tensor_parallel_config(target: str, what: str, ranks: int, local_only: bool) -> Any:
+    """The distributed config splitting `target` over `ranks` ranks, once its heads are known to split."""
+    from transformers import AutoConfig
+
+    from s4r.distributed.tensor_parallel import check_ranks, distributed_config
+
+    try:
+        config = AutoConfig.from_pretrained(target, **({"local_files_only": True} if local_only else {}))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {what}: {first_line(exc)}") from exc
+    check_ranks(config, ranks, what)
+    return distributed_config(ranks)
+
+
 def from_pretrained(
     target: str,
     *,
@@ -58,14 +72,22 @@ def from_pretrained(
     multi_gpu: bool,
     rope_scaling: float | None = None,
     local_only: bool = False,
+    tensor_parallel: int = 1,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model and tokenizer from a folder or hub id, mapping failures to one-line errors."""
+    """Load model and tokenizer from a folder or hub id, mapping failures to one-line errors.
+
+    ``tensor_parallel`` > 1 (under torchrun): each rank loads its slice of the model's tensor-parallel plan
+    (`s4r.distributed.tensor_parallel`); a rank count that does not split the KV heads is refused first.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if local_only:
         kwargs["local_files_only"] = True
-    if multi_gpu:
+    if tensor_parallel > 1:
+        # the plan places each rank's slice itself; transformers refuses a device_map beside it
+        kwargs["distributed_config"] = _tensor_parallel_config(target, what, tensor_parallel, local_only)
+    elif multi_gpu:
         kwargs["device_map"] = "auto"
     elif device.type == "cuda" or quant != "none":
         # Straight onto the target device: no second full copy in host RAM (and bitsandbytes needs a map).

@@ -62,6 +62,7 @@ def load_model(
     random_weights: bool = False,
     progress: Progress | None = None,
     rope_scaling: float | None = None,
+    tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Load a model by profile name, local HF folder, ``.gguf`` path or hub id, ready for inference.
 
@@ -70,6 +71,8 @@ def load_model(
     download; its tokenizer is the profile's own when cached locally, else the embedded SmolLM2 one.
     ``rope_scaling`` (a factor above 1, at most 8) stretches a plain-RoPE model's context that many times
     with YaRN, without fine-tuning (answers get worse); models whose RoPE is already scaled are refused.
+    ``tensor_parallel`` > 1 splits the model by attention heads over that many ranks of the running process
+    group (`s4r.distributed`; launched with torchrun, one rank per device or CPU process).
     """
     start = time.perf_counter()
     if quant not in QUANTS:
@@ -78,6 +81,8 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     multi_gpu = dev.type == "cuda" and dev.index is None and torch.cuda.device_count() > 1
+    if tensor_parallel > 1:
+        dev, multi_gpu = _rank_device(dev), False
     silence_libraries()
     kw: dict[str, Any] = {
         "device": dev,
@@ -86,12 +91,16 @@ def load_model(
         "multi_gpu": multi_gpu,
         "rope_scaling": rope_scaling,
     }
+    if tensor_parallel > 1:
+        kw["tensor_parallel"] = tensor_parallel
 
     profile: Profile | None = None
     kind = model_spec_kind(spec, profile_names())
     if random_weights:
         profile = load_profile(spec)
         model, tokenizer = build_random(profile, dev, dt, progress, rope_scaling, quant=quant)
+        if tensor_parallel > 1:
+            model = _shard_random(model, tensor_parallel, profile.name)
         source = "random"
     elif kind in ("profile", "unknown"):
         profile = load_profile(spec)  # raises "unknown model" for a bare unknown name
@@ -137,6 +146,23 @@ def load_model(
         source=source,
         load_seconds=time.perf_counter() - start,
     )
+
+
+def _rank_device(dev: torch.device) -> torch.device:
+    """Under tensor parallelism each rank runs on the GPU of its LOCAL_RANK (or on the CPU)."""
+    if dev.type != "cuda":
+        return dev
+    import os
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _shard_random(model: PreTrainedModel, ranks: int, name: str) -> PreTrainedModel:
+    """Every rank built the same seeded weights; each keeps its slice of the tensor-parallel plan."""
+    from s4r.distributed.tensor_parallel import check_ranks, shard_built
+
+    check_ranks(model.config, ranks, f"a random-weight {name}")
+    return shard_built(model, ranks)
 
 
 def _load_local(

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,10 @@ def read_header(path: str | Path) -> dict[str, Any]:
 
 
 def load_cache(path: str | Path, cache: CompressedCache, rope: RopeFn | None,
-               device: torch.device) -> dict[str, Any]:
-    """Fill the (fresh) `cache` from `path`; returns the saved metadata. Verifies the checksum."""
+               device: torch.device | Sequence[torch.device]) -> dict[str, Any]:
+    """Fill the (fresh) `cache` from `path`; returns the saved metadata. Verifies the checksum.
+
+    `device` is where the layers go, or one device per layer (a model whose layers accelerate spread)."""
     header = read_header(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -99,9 +102,11 @@ def load_cache(path: str | Path, cache: CompressedCache, rope: RopeFn | None,
         raise CacheFileError(f"corrupt s4r cache file: {path} (checksum mismatch)")
     if len(header["layers"]) != len(cache.layers):
         raise CacheFileError(f"saved cache has {len(header['layers'])} layers, the model {len(cache.layers)}")
+    devices = [device] * len(cache.layers) if isinstance(device, (torch.device, str)) else list(device)
     for i, saved in enumerate(header["layers"]):
         prefix = f"{i}."
-        state = {name[len(prefix):]: t.to(device) for name, t in tensors.items() if name.startswith(prefix)}
+        state = {name[len(prefix):]: t.to(devices[i])
+                 for name, t in tensors.items() if name.startswith(prefix)}
         layer = LAYER_KINDS[saved["kind"]].from_state(state, saved["meta"], rope=rope)
         if layer.get_seq_length() != saved["logical"]:
             raise CacheFileError(f"corrupt s4r cache file: {path} (layer {i} length mismatch)")

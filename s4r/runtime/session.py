@@ -12,6 +12,10 @@ import torch
 
 from s4r.core.budget import KVShape
 from s4r.core.rope import model_rope_fn
+from s4r.distributed.placement import layer_devices
+from s4r.distributed.rank_files import load_path, rank_path
+from s4r.distributed.tensor_parallel import rank_kv_shape
+from s4r.distributed.world import agree_token
 from s4r.errors import BudgetError, ContextTooLongError, S4RError
 from s4r.hf.attention import install
 from s4r.hf.cache import CompressedCache
@@ -88,7 +92,11 @@ class Session:
             raise BudgetError(str(exc)) from None
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else next(self.model.parameters()).dtype
         self.dtype = dtype
-        self.shape = KVShape.from_config(self.model.config, torch.empty(0, dtype=dtype).element_size())
+        # under tensor parallelism this rank's cache holds only its own heads
+        whole = KVShape.from_config(self.model.config, torch.empty(0, dtype=dtype).element_size())
+        self.shape = rank_kv_shape(whole, self.model)
+        # the device each layer runs on where accelerate spread them (its cache layer lives there too)
+        self.layer_devices = layer_devices(self.model)
         self.segments = chat_segments(self.tokenizer, system)
         self.rope = model_rope_fn(self.model)
         install(self.model)
@@ -117,7 +125,9 @@ class Session:
     def _new_cache(self) -> CompressedCache:
         # keep enough recent queries for any method a staged session may be forked into
         window = max(self._method.query_window, STAGING_QUERY_WINDOW)
-        return CompressedCache(self.shape.layers, self.shape, query_window=window)
+        cache = CompressedCache(self.shape.layers, self.shape, query_window=window)
+        cache.devices = self.layer_devices
+        return cache
 
     @property
     def logical_length(self) -> int:
@@ -339,7 +349,8 @@ class Session:
                 for _ in range(max_new_tokens):
                     recent = (ids[-repeat_last_n:] + generated)[-repeat_last_n:] if repeat_last_n > 0 else []
                     logits = apply_repetition_penalty(logits.float(), recent, repeat_penalty)
-                    token = sample_token(logits, temperature, top_p, generator)
+                    # every rank continues rank 0's token (identical sampling whatever the logits' rounding)
+                    token = agree_token(sample_token(logits, temperature, top_p, generator))
                     if t_first is None:
                         t_first = time.perf_counter()
                     if token in self._stop_ids:
@@ -382,8 +393,9 @@ class Session:
 
     # --- persistence (s4r.runtime.session_files) ----------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Save the compressed cache and what is needed to continue the conversation."""
-        save_session(self, path)
+        """Save the compressed cache and what is needed to continue the conversation (under several
+        ranks, each rank its own part: `s4r.distributed.rank_files`)."""
+        save_session(self, rank_path(path))
 
     @classmethod
     def load(cls, path: str | Path, loaded, **kwargs: Any) -> Session:
@@ -391,6 +403,7 @@ class Session:
 
         Method, ratio and settings default to the saved ones; any given explicitly must match them.
         """
+        path = load_path(path)  # this rank's part where several ranks saved it
         meta = saved_meta(path)
         session = cls(loaded, **session_kwargs(meta, kwargs))
         restore_session(session, path, meta)

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from s4r.distributed.rank_files import check_saved_ranks, ranks_meta
 from s4r.errors import CacheFileError
 from s4r.runtime.persist import load_cache, read_header, save_cache
 
@@ -29,6 +30,8 @@ def model_fingerprint(model) -> str:
                 "num_key_value_heads", "head_dim", "vocab_size"):
         digest.update(f"{key}={getattr(cfg, key, None)};".encode())
     emb = model.get_input_embeddings().weight
+    if hasattr(emb, "to_local"):  # tensor parallel: this rank's slice identifies its part of the cache
+        emb = emb.to_local()
     digest.update(emb.detach()[:8].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -50,7 +53,7 @@ def save_session(session: SessionLike, path: str | Path) -> None:
     meta = {"identity": session_identity(session), "system": session.system, "state": session._state,
             "document_tokens": session.document_tokens, "documents": session.documents,
             "doc_checkpoint": list(cp) if cp else None, "compress_info": session.compress_info,
-            "tokens": session.logical_length}
+            "tokens": session.logical_length, "ranks": ranks_meta()}
     save_cache(path, session.cache, meta)
 
 
@@ -74,6 +77,7 @@ def session_kwargs(meta: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, An
 def restore_session(session: SessionLike, path: str | Path, meta: dict[str, Any]) -> None:
     """Fill a new `session` from the file at `path` (saved with `meta`); refuses a cache made with
     another model or settings."""
+    check_saved_ranks(meta, path)
     saved, ours = meta.get("identity", {}), session_identity(session)
     for key, label in MATCHED:
         if saved.get(key) != ours.get(key):
@@ -81,7 +85,7 @@ def restore_session(session: SessionLike, path: str | Path, meta: dict[str, Any]
             raise CacheFileError(f"saved cache {path} was made with {label} {saved.get(shown)!r}, "
                                  f"this session uses {ours.get(shown)!r}")
     cache = session._new_cache()
-    load_cache(path, cache, session.rope, session.device)
+    load_cache(path, cache, session.rope, getattr(session, "layer_devices", None) or session.device)
     session.cache = cache
     session._state = meta.get("state", "open")
     session.document_tokens = int(meta.get("document_tokens", 0))
