@@ -26,7 +26,8 @@ from s4r.methods import CompressContext, make_method
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m research.profile_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m research.profile_step",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", "-m", default="smollm2-135m")
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--length", default="4k")
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         staged = tiled(staged_cache(model, ids[: args.prefill]), length)
         cache = staged.copy_staged()
-        make_method(args.method, args.ratio).compress(cache, CompressContext(model_rope_fn(model), args.ratio))
+        context = CompressContext(model_rope_fn(model), args.ratio)
+        make_method(args.method, args.ratio).compress(cache, context)
     set_decode_step(model, "lean" if args.lean else "reference")
 
     def step(c, tok, pos):

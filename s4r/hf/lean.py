@@ -26,10 +26,11 @@ import torch
 from s4r.hf import lean_ops
 from s4r.hf.lean_weights import decode_weight_dtype, matrix_bytes, pack_layers, unsupported_reason
 
-STEPS = ("lean", "reference")
+# "lean": compiled where `S4R_COMPILE=1` asks and a compiler allows; "lean-compiled"/"lean-eager" force either
+STEPS = ("lean", "lean-compiled", "lean-eager", "reference")
 STEP_ENV = "S4R_DECODE_STEP"
-COMPILE_ENV = "S4R_COMPILE"  # "0": run the lean step's operations eagerly
-_ATTR = "_s4r_lean_step"
+COMPILE_ENV = "S4R_COMPILE"  # "1": "lean" compiles its operations (first step: tens of seconds)
+_ATTR = "_s4r_lean_steps"  # on the model: {compiled?: LeanStep}, or False when it cannot run
 _said: set[str] = set()
 
 
@@ -41,7 +42,8 @@ def _say_once(line: str) -> None:
 
 
 def set_decode_step(model, step: str) -> None:
-    """Pick the one-token step of `model`: "lean" (default) or "reference" (the model's own forward)."""
+    """Pick the one-token step of `model`: one of STEPS, "lean" by default, "reference" for the model's
+    own forward."""
     if step not in STEPS:
         raise ValueError(f"decode step must be one of {', '.join(STEPS)}, got '{step}'")
     model._s4r_decode_step = step
@@ -50,7 +52,10 @@ def set_decode_step(model, step: str) -> None:
 def decode_step_setting(model) -> str:
     """The step chosen for `model`: `set_decode_step`, else `S4R_DECODE_STEP`, else "lean"."""
     step = getattr(model, "_s4r_decode_step", None) or os.environ.get(STEP_ENV, "lean").strip().lower()
-    return step if step in STEPS else "lean"
+    if step not in STEPS:
+        _say_once(f"{STEP_ENV} must be one of {', '.join(STEPS)}, not '{step}'; using lean")
+        return "lean"
+    return step
 
 
 def compiler_available() -> bool:
@@ -84,7 +89,7 @@ class _MaybeCompiled:
 
 
 def _want_compile(device: torch.device) -> bool:
-    if os.environ.get(COMPILE_ENV, "1").strip() in ("0", "false", "no"):
+    if os.environ.get(COMPILE_ENV, "0").strip().lower() not in ("1", "true", "yes"):
         return False
     if device.type == "cpu" and not compiler_available():
         _say_once("no C++ compiler for torch.compile; the decode step runs eager")
@@ -95,14 +100,16 @@ def _want_compile(device: torch.device) -> bool:
 class LeanStep:
     """The lean one-token forward of a Llama-layout model (see the module docstring)."""
 
-    def __init__(self, model, weight_dtype: torch.dtype | None = None, compile_ops: bool | None = None) -> None:
+    def __init__(self, model, weight_dtype: torch.dtype | None = None,
+                 compile_ops: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean decode step cannot run this model: {reason}")
         inner = model.model
         param = inner.embed_tokens.weight
         self.model = model
-        self.weight_dtype = weight_dtype or decode_weight_dtype(param.dtype, param.device, matrix_bytes(model))
+        self.weight_dtype = weight_dtype or decode_weight_dtype(param.dtype, param.device,
+                                                                matrix_bytes(model))
         self.layers, self.head = pack_layers(model, self.weight_dtype)
         self.modules = [layer.self_attn for layer in inner.layers]
         self.eps = float(inner.norm.variance_epsilon)
@@ -121,6 +128,8 @@ class LeanStep:
         self.between_layers = _MaybeCompiled(lean_ops.between_layers, compile_ops)
         self.final_logits = _MaybeCompiled(lean_ops.final_logits, compile_ops)
         self._source = param.data_ptr()
+        self.in_args = [w.input_args(self.eps) for w in self.layers]
+        self.out_args = [w.output_args(self.eps) for w in self.layers]
 
     def matches(self, model) -> bool:
         """Whether this step still reads `model`'s weights (not moved or reloaded since it was built)."""
@@ -138,41 +147,44 @@ class LeanStep:
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, None)
         kwargs = {"position_ids": positions, "use_cache": True}
         dims = (self.q_heads, self.kv_heads, self.head_dim)
-        layers, last = self.layers, len(self.layers) - 1
-        query, key, value = self.attention_inputs(h, *layers[0].input_args(self.eps), cos, sin, *dims)
+        in_args, out_args, last = self.in_args, self.out_args, len(self.layers) - 1
+        query, key, value = self.attention_inputs(h, *in_args[0], cos, sin, *dims)
         for i, module in enumerate(self.modules):
             keys, values = cache.update(key, value, i, kwargs=kwargs)
             out, _ = attention(module, query, keys, values, None, dropout=0.0, scaling=module.scaling,
                                **kwargs, **self.attn_kwargs)
             if i < last:
-                h, query, key, value = self.between_layers(
-                    h, out, layers[i].output_args(self.eps), layers[i + 1].input_args(self.eps), cos, sin, *dims)
+                h, query, key, value = self.between_layers(h, out, out_args[i], in_args[i + 1], cos, sin,
+                                                           *dims)
             else:
-                logits = self.final_logits(h, out, layers[i].output_args(self.eps), self.final_norm, self.eps,
-                                           self.head)
+                logits = self.final_logits(h, out, out_args[i], self.final_norm, self.eps, self.head)
         return logits[0, -1]
 
 
-def lean_step(model) -> LeanStep | None:
+def lean_step(model, step: str | None = None) -> LeanStep | None:
     """The lean step of `model` (built on first use and kept on the model), or None where the model's own
     forward runs: the reference is chosen, the model is unsupported (said once), or it does not run s4r
-    attention."""
-    if decode_step_setting(model) != "lean":
+    attention. `step` overrides the model's setting (`decode_step_setting`)."""
+    step = step or decode_step_setting(model)
+    if step == "reference":
         return None
     from s4r.hf.attention import ATTN_NAME
 
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         return None
-    step = getattr(model, _ATTR, None)
-    if isinstance(step, LeanStep) and step.matches(model):
-        return step
-    if step is False:
+    built = model.__dict__.setdefault(_ATTR, {})
+    if built is False:
         return None
+    compile_ops = {"lean-compiled": True, "lean-eager": False}.get(step)
+    if compile_ops is None:
+        compile_ops = _want_compile(model.model.embed_tokens.weight.device)
+    found = built.get(compile_ops)
+    if found is not None and found.matches(model):
+        return found
     reason = unsupported_reason(model)
     if reason is not None:
         _say_once(f"the lean decode step cannot run this model ({reason}); using its own forward")
-        object.__setattr__(model, _ATTR, False)
+        model.__dict__[_ATTR] = False
         return None
-    step = LeanStep(model)
-    object.__setattr__(model, _ATTR, step)
-    return step
+    found = built[compile_ops] = LeanStep(model, compile_ops=compile_ops)
+    return found

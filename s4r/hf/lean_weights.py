@@ -70,7 +70,8 @@ def unsupported_reason(model) -> str | None:
             return "a query norm without a key norm (or the reverse)"
         if len({float(n.variance_epsilon) for n in norms}) != 1:
             return "norms with different epsilons"
-    if model.get_output_embeddings() is None or getattr(model.get_output_embeddings(), "bias", None) is not None:
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
         return "no plain LM head"
     return None
 
