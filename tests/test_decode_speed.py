@@ -67,9 +67,22 @@ def test_a_method_spec_carries_its_settings_into_the_fork():
 def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
     monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
     rows = measure(tiny_loaded(), [900], [("s4r", 2.5)], steps=3, warmup=1, log=lambda m: None)
-    assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (SDPA_FULL, 3), (PLAIN, 3)]
+    assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (SDPA_FULL, 3), (PLAIN, 3),
+                                                   ("floor: weights float32", 3)]
     assert rows[0].vs_full == 1.0 and all(r.median_ms > 0 for r in rows)
+    assert all(r.nll is not None and r.nll > 0 for r in rows[:4]) and rows[-1].weight_gb_s > 0
     assert "| 900 | s4r 2.5 |" in markdown(rows)
+
+
+def test_measure_forks_every_cache_per_decode_step(monkeypatch):
+    monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
+    rows = measure(tiny_loaded(), [900], [("s4r", 2.5)], steps=3, warmup=1, log=lambda m: None,
+                   decode_steps=("lean-eager", "reference"), reference_rows=False, floor=False)
+    assert [r.method for r in rows] == ["full [lean-eager]", "full [reference]", "s4r 2.5 [lean-eager]",
+                                        "s4r 2.5 [reference]"]
+    # the two steps decode the same tokens to the same predictions (fp32 matrices on a tiny model)
+    assert rows[0].nll == pytest.approx(rows[1].nll, abs=1e-4)
+    assert rows[2].nll == pytest.approx(rows[3].nll, abs=1e-4)
 
 
 def test_lengths_past_the_prefill_tile_it(monkeypatch):
@@ -83,8 +96,8 @@ def test_lengths_past_the_prefill_tile_it(monkeypatch):
     seen = []
     rows = measure(tiny_loaded(), [900, 2000], [("s4r", 2.5)], steps=2, warmup=1, log=seen.append,
                    prefill_tokens=900)
-    assert [r.length for r in rows] == [900] * 4 + [2000] * 4
-    assert "2000 tokens: 900 prefilled and tiled" in seen[-5]
+    assert [r.length for r in rows] == [900] * 5 + [2000] * 5
+    assert "2000 tokens: 900 prefilled and tiled" in seen[-6]
 
 
 def test_layer_speed_times_every_kernel_on_one_layer():

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,11 +30,13 @@ from transformers import DynamicCache
 
 from s4r.bench.config import parse_lengths
 from s4r.bench.speed import teacher_force
+from s4r.bench.weights_floor import WeightsFloor, lean_matrices, model_matrices
 from s4r.core.budget import KVShape
 from s4r.core.rope import model_rope_fn
 from s4r.hf.attention import causal_attention, handoff_plain, install
 from s4r.hf.cache import CompressedCache
 from s4r.hf.generation import prefill
+from s4r.hf.lean import STEPS, lean_step
 from s4r.layers.full import FullLayer, StagingLayer
 from s4r.methods import CompressContext, make_method
 
@@ -76,6 +81,7 @@ class Fork:
     device: torch.device
     cache: Any
     ratio: float = 1.0
+    step: str | None = None  # the decode step (`s4r.hf.lean.STEPS`); None: the model's own choice
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,8 @@ class SpeedRow:
     vs_full: float
     steps: int
     kv_mib: float = 0.0  # what the cache holds (for the transformers row: its keys and values)
+    nll: float | None = None  # mean next-token NLL over the timed steps (the forks should agree)
+    weight_gb_s: float | None = None  # floor rows: bytes of weights per step over their median time
 
 
 def staged_cache(model, ids: list[int], chunk_size: int = 512) -> CompressedCache:
@@ -140,20 +148,50 @@ def method_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-def make_forks(model, staged: CompressedCache, combos: list[tuple[str, float]]) -> list[Fork]:
-    """`full`, each (method spec, ratio) (see `method_spec`) and the plain transformers reference, each
-    from a copy of `staged`."""
+def make_forks(model, staged: CompressedCache, combos: list[tuple[str, float]],
+               decode_steps: Sequence[str] = ("lean",), reference_rows: bool = True) -> list[Fork]:
+    """`full`, each (method spec, ratio) (see `method_spec`), each with every decode step of
+    `decode_steps` (named "full [reference]" etc. when there are several), then, with `reference_rows`,
+    `full (sdpa)` (the first decode step) and the plain transformers reference (its own forward).
+
+    Each fork gets a copy of `staged`, except the first `full` one: it takes over `staged` itself (built
+    last, so the copies are made first), which saves one full cache of memory at long contexts."""
     device = next(model.parameters()).device
     rope = model_rope_fn(model)
+    tagged = len(decode_steps) > 1
+
+    def label(base: str, step: str) -> str:
+        return f"{base} [{step}]" if tagged else base
+
     forks = []
     for spec, ratio in [("full", 1.0), *combos]:
-        cache = staged.copy_staged()
-        name, overrides = method_spec(spec)
-        make_method(name, ratio, overrides or None).compress(cache, CompressContext(rope, ratio))
-        forks.append(Fork(spec if spec == "full" else f"{spec} {ratio:g}", model, device, cache, ratio))
-    forks.append(Fork(SDPA_FULL, model, device, sdpa_full_fork(staged)))
-    forks.append(Fork(PLAIN, model, device, plain_fork(model, staged)))
+        for step in decode_steps:
+            if spec == "full" and step == decode_steps[0]:
+                continue  # built from `staged` below
+            cache = staged.copy_staged()
+            name, overrides = method_spec(spec)
+            make_method(name, ratio, overrides or None).compress(cache, CompressContext(rope, ratio))
+            base = spec if spec == "full" else f"{spec} {ratio:g}"
+            forks.append(Fork(label(base, step), model, device, cache, ratio, step))
+    if reference_rows:
+        forks.append(Fork(SDPA_FULL, model, device, sdpa_full_fork(staged), step=decode_steps[0]))
+        forks.append(Fork(PLAIN, model, device, plain_fork(model, staged), step="reference"))
+    make_method("full", 1.0).compress(staged, CompressContext(rope, 1.0))
+    forks.insert(0, Fork(label("full", decode_steps[0]), model, device, staged, 1.0, decode_steps[0]))
     return forks
+
+
+def weights_floors(model, decode_steps: Sequence[str]) -> list[WeightsFloor]:
+    """One weights-read floor per matrix dtype the decode steps read: the model's own matrices for the
+    reference step, the lean step's stacked ones for a lean step (when it can run the model)."""
+    floors: dict[torch.dtype, WeightsFloor] = {}
+    for step in decode_steps:
+        lean = None if step == "reference" else lean_step(model, step)
+        matrices = lean_matrices(lean) if lean is not None else model_matrices(model)
+        dtype = matrices[0].dtype
+        name = f"floor: weights {str(dtype).removeprefix('torch.')}"
+        floors.setdefault(dtype, WeightsFloor(name, matrices))
+    return list(floors.values())
 
 
 def book_ids(tokenizer, tokens: int) -> list[int]:
@@ -165,11 +203,14 @@ def book_ids(tokenizer, tokens: int) -> list[int]:
 
 
 def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: int, warmup: int,
-            log=print, prefill_tokens: int | None = None) -> list[SpeedRow]:
+            log=print, prefill_tokens: int | None = None, decode_steps: Sequence[str] = ("lean",),
+            reference_rows: bool = True, floor: bool = True) -> list[SpeedRow]:
     """The speed table's rows: per length one prefill (or, past `prefill_tokens`, that prefill tiled to
-    the length), the forks, one interleaved decode loop."""
+    the length), the forks, one interleaved decode loop; with `floor`, after each step of the loop the
+    weights-read floor of each matrix dtype (`weights_floors`) is timed too."""
     model = loaded.model
     install(model)
+    floors = weights_floors(model, decode_steps) if floor else []
     rows: list[SpeedRow] = []
     prefilled = None
     for length in lengths:
@@ -185,17 +226,45 @@ def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: 
             else:
                 staged = staged_cache(model, ids[:length])
                 log(f"{length} tokens: prefill {time.perf_counter() - t0:.1f} s")
-            forks = make_forks(model, staged, combos)
+            forks = make_forks(model, staged, combos, decode_steps, reference_rows)
         del staged
-        timings = teacher_force(forks, ids[length:], warmup=warmup)
+        decoded = ids[length:]
+        nll = NllMeter(decoded, warmup)
+        for f in floors:
+            f.seconds.clear()
+        timings = teacher_force(forks, decoded, warmup=warmup, on_logits=nll,
+                                on_step=lambda i: [f.time_once(keep=i >= warmup) for f in floors])
         base = timings[0].median_ms
-        for fork, timing in zip(forks, timings, strict=True):
+        for j, (fork, timing) in enumerate(zip(forks, timings, strict=True)):
             achieved = fork.cache.ratio() if isinstance(fork.cache, CompressedCache) else 1.0
             rows.append(SpeedRow(length, fork.name, achieved, timing.median_ms, base / timing.median_ms,
-                                 timing.steps, cache_bytes(fork.cache) / 2**20))
+                                 timing.steps, cache_bytes(fork.cache) / 2**20, nll.mean(j)))
             log(f"  {fork.name:14s} {timing.median_ms:8.1f} ms/token  {base / timing.median_ms:5.2f}x full")
+        for f in floors:
+            ms = 1000 * statistics.median(f.seconds)
+            rows.append(SpeedRow(length, f.name, 0.0, ms, base / ms, len(f.seconds),
+                                 weight_gb_s=f.nbytes / ms / 1e6))
+            log(f"  {f.name:14s} {ms:8.1f} ms/token  ({f.nbytes / 2**20:,.0f} MiB, "
+                f"{f.nbytes / ms / 1e6:.1f} GB/s)")
         del forks
     return rows
+
+
+class NllMeter:
+    """`teacher_force`'s `on_logits`: each fork's mean NLL of the next decoded token over the timed steps."""
+
+    def __init__(self, ids: Sequence[int], warmup: int) -> None:
+        self.ids, self.warmup = list(ids), warmup
+        self.sums: dict[int, list[float]] = {}
+
+    def __call__(self, j: int, i: int, logits: torch.Tensor) -> None:
+        if i >= self.warmup and i + 1 < len(self.ids):
+            nll = -torch.log_softmax(logits.float(), dim=-1)[self.ids[i + 1]].item()
+            self.sums.setdefault(j, []).append(nll)
+
+    def mean(self, j: int) -> float | None:
+        values = self.sums.get(j)
+        return sum(values) / len(values) if values else None
 
 
 def cache_bytes(cache: Any) -> int:
@@ -208,11 +277,17 @@ def cache_bytes(cache: Any) -> int:
 
 def markdown(rows: list[SpeedRow]) -> str:
     """The rows as a markdown table."""
-    lines = ["| length | method | achieved ratio | KV MiB | ms/token (median) | decode vs full | steps |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| length | method | achieved ratio | KV MiB | ms/token (median) | decode vs full | steps "
+             "| NLL |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.weight_gb_s is not None:  # a floor row: no cache; its bandwidth where the ratio goes
+            lines.append(f"| {r.length:,} | {r.method} | {r.weight_gb_s:.1f} GB/s | | {r.median_ms:.1f} | "
+                         f"{r.vs_full:.2f}x | {r.steps} | |")
+            continue
+        nll = "" if r.nll is None else f"{r.nll:.4f}"
         lines.append(f"| {r.length:,} | {r.method} | {r.achieved_ratio:.2f} | {r.kv_mib:,.1f} | "
-                     f"{r.median_ms:.1f} | {r.vs_full:.2f}x | {r.steps} |")
+                     f"{r.median_ms:.1f} | {r.vs_full:.2f}x | {r.steps} | {nll} |")
     return "\n".join(lines)
 
 
@@ -236,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=None,
                         help="prefill at most this many tokens; longer lengths tile that prefill "
                         "(timing only)")
+    parser.add_argument("--dtype", default="auto", help="model dtype: auto, bf16, fp16 or fp32")
+    parser.add_argument("--decode-steps", default="lean",
+                        help=f"decode steps, each forking every cache: {', '.join(STEPS)} (lean: the lean "
+                        "step, compiled where S4R_COMPILE allows; reference: the model's own forward)")
+    parser.add_argument("--no-reference-rows", action="store_true",
+                        help="leave out the full (sdpa) and transformers rows (two full caches less memory)")
+    parser.add_argument("--no-floor", action="store_true", help="leave out the weights-read floor rows")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -244,13 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("error: --lengths like 2k,8k and --ratios like 2.5,5", file=sys.stderr)
         return 2
+    decode_steps = [x.strip() for x in args.decode_steps.split(",") if x.strip()]
+    if not decode_steps or not set(decode_steps) <= set(STEPS) or len(set(decode_steps)) < len(decode_steps):
+        print(f"error: --decode-steps takes distinct names from {', '.join(STEPS)}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     from s4r.models.loading import load_model
 
     kwargs = {"rope_scaling": args.rope_scaling} if args.rope_scaling else {}
     loaded = load_model(args.model, device=args.device, random_weights=args.random_weights, quant=args.quant,
-                        **kwargs)
+                        dtype=args.dtype, **kwargs)
     combos = [(m, r) for m in args.methods.split(",") for r in ratios]
     try:
         for spec, ratio in combos:
@@ -259,15 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a typo should not wait for the model and the prefill
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
     rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr),
-                   prefill_tokens=args.prefill)
+                   prefill_tokens=args.prefill, decode_steps=decode_steps,
+                   reference_rows=not args.no_reference_rows, floor=not args.no_floor)
+    seconds = time.perf_counter() - t0
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             peak = torch.cuda.max_memory_allocated() if loaded.device.type == "cuda" else None
             json.dump({"argv": sys.argv, "threads": torch.get_num_threads(), "device": str(loaded.device),
-                       "quant": args.quant, "peak_device_bytes": peak,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "dtype": str(loaded.dtype), "quant": args.quant, "peak_device_bytes": peak,
+                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                       "seconds": seconds, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 

@@ -77,7 +77,8 @@ def teacher_force(sessions: Sequence[Any], ids: Sequence[int], *, warmup: int,
     Step i forwards ids[i] through each session (in an order rotated every step, so no method always
     runs right after another), and `on_logits(session_index, i, logits)` sees the next-token logits
     (outside the timed span). Steps before `warmup` are not timed (allocator growth, first-call costs).
-    `on_step(i)` is called after each step. Every session must share one model and device.
+    `on_step(i)` is called after each step. Every session must share one model and device; a session's
+    `step` attribute, where it has one, picks its decode step (`s4r.hf.lean.STEPS`).
 
     A session whose forward raises is dropped from the loop and its error recorded in `failed` (by
     index), so one broken method does not stop the others; without `failed` the error propagates.
@@ -99,7 +100,8 @@ def teacher_force(sessions: Sequence[Any], ids: Sequence[int], *, warmup: int,
                 synchronize(device)
                 t0 = time.perf_counter()
                 try:
-                    logits = forward_tokens(model, cache, tok, cache.logical_length())
+                    logits = forward_tokens(model, cache, tok, cache.logical_length(),
+                                            step=getattr(sessions[j], "step", None))
                 except Exception as exc:  # noqa: BLE001 - reported per session, see above
                     if failed is None:
                         raise

@@ -7,15 +7,23 @@ from collections.abc import Callable
 import torch
 
 from s4r.hf.attention import drop_handoff, ensure_handoff_taken
+from s4r.hf.lean import lean_step
 
 
-def forward_tokens(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+def forward_tokens(model, cache, ids: torch.Tensor, start: int, step: str | None = None) -> torch.Tensor:
     """Run `ids` [1, q] at positions start..start+q-1 through the model; logits [vocab] of the last one.
 
     Only the last position's logits are materialized (`logits_to_keep=1`), whatever the chunk size.
+    A one-token step runs the model's lean step where it has one (`s4r.hf.lean`), else its own forward;
+    `step` (one of `s4r.hf.lean.STEPS`) overrides the model's choice.
     """
+    lean = lean_step(model, step) if ids.shape[1] == 1 else None
     positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
     try:
+        if lean is not None:
+            logits = lean(cache, ids, start)
+            ensure_handoff_taken()
+            return logits
         out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
     except BaseException:
         drop_handoff()  # stopped between a cache update and its attention: nothing was missed
