@@ -72,3 +72,12 @@ def test_a_damaged_saved_cache_is_read_again(loaded, tmp_path):
     again = make_engine(loaded, budget=0, cache_dir=tmp_path)
     assert again.complete(ask, Sampling(max_tokens=2)).cache == "new"
     assert again.store.snapshot().counters.load_failures == 1
+
+
+@pytest.mark.parametrize("argv", [["--memory-budget", "lots"], ["--max-request-bytes", "-1G"],
+                                  ["--load", "saved.s4r"]])
+def test_bad_serve_options_exit_2_before_any_model_loads(argv, capsys):
+    from s4r_cli.app import run
+
+    assert run(["serve", *argv]) == 2
+    assert capsys.readouterr().err.startswith("s4r: error:")
