@@ -95,7 +95,8 @@ def test_profile_architectures_match_published_shapes() -> None:
     qwen3 = load_profile("qwen3-4b").architecture
     assert qwen3["head_dim"] == 128 and qwen3["model_type"] == "qwen3"
     small = load_profile("qwen3-0.6b").architecture
-    assert (small["num_hidden_layers"], small["num_attention_heads"], small["num_key_value_heads"]) == (28, 16, 8)
+    heads = (small["num_hidden_layers"], small["num_attention_heads"], small["num_key_value_heads"])
+    assert heads == (28, 16, 8)
     assert (small["hidden_size"], small["intermediate_size"], small["vocab_size"]) == (1024, 3072, 151936)
     assert load_profile("qwen3-0.6b").context_length == 32768
     assert load_profile("mistral-7b-instruct").architecture["sliding_window"] is None
