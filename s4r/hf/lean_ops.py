@@ -38,8 +38,9 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE of `x` [B, q, heads, head_dim] with `rope_tables`' tables."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+    """RoPE of `x` [B, q, heads, head_dim] with `rope_tables`' tables (a product and a sum, not a fused
+    multiply-add: the same roundings as transformers' RoPE, so the keys a cache stores are the same)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv: torch.Tensor,

@@ -53,14 +53,18 @@ def unsupported_reason(model) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "norm"):
         return "no model.layers / rotary_emb / norm"
+    if len({p.device for p in model.parameters()}) > 1:
+        return "weights on more than one device"
+
+    def plain(module, names) -> bool:  # exactly nn.Linear: quantized linears subclass it
+        return all(type(getattr(module, n, None)) is torch.nn.Linear
+                   and getattr(module, n).weight.dtype.is_floating_point for n in names)
+
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or not all(
-                isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj",
-                                                                            "o_proj")):
+        if attn is None or mlp is None or not plain(attn, ("q_proj", "k_proj", "v_proj", "o_proj")):
             return "a layer without plain q/k/v/o projections (quantized weights?)"
-        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj",
-                                                                               "down_proj")):
+        if not plain(mlp, ("gate_proj", "up_proj", "down_proj")):
             return "a layer without a plain gated MLP"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, inner.norm]
         norms += [m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None]
