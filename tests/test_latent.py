@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from s4r.config import S4RConfig
 from s4r.core.compress import compress_layer
 from s4r.core.latent import latent_logits
+from s4r.core.subspace import head_blocks
 from s4r.hf.attention import MATMUL_MIN_KEYS, causal_attention, causal_mask
-from s4r.layers.full import head_blocks, to_groups
+from s4r.layers.full import to_groups
 
 HEADS, GROUP, DIM = 3, 3, 16
 

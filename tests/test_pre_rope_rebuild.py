@@ -13,7 +13,7 @@ from s4r.core.coef_bands import decode_tails
 from s4r.core.compress import compress_layer
 from s4r.core.latent import chunked_latent_logits, latent_logits
 from s4r.core.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major, shifted
-from s4r.layers.full import head_blocks
+from s4r.core.subspace import head_blocks
 from tests.helpers import tiny_model
 
 

@@ -11,9 +11,9 @@ import torch
 from s4r.config import S4RConfig
 from s4r.core.compress import compress_layer, compressible_parts, outlier_tokens
 from s4r.core.selection import latent_scores, mass_budget, pool_scores, ranked_candidates, select_tokens
-from s4r.core.subspace import dequantize_int8, hybrid_sample_indices, project, quantize_int8
+from s4r.core.subspace import dequantize_int8, hybrid_sample_indices, project, project_queries, quantize_int8
 from s4r.hf.attention import causal_attention
-from s4r.layers.full import project_queries, to_groups
+from s4r.layers.full import to_groups
 
 HEADS, N_REP, DIM = 2, 3, 16  # 2 KV heads, each shared by 3 query heads
 

@@ -9,8 +9,15 @@ import torch
 from s4r.config import S4RConfig
 from s4r.core.coef_bands import Encoded, encode_coefficients
 from s4r.core.rope import RopeFn, undo_rope
-from s4r.core.subspace import fit_basis, hybrid_sample_indices, normalize_rows, project, relative_residual
-from s4r.layers.full import project_queries, to_groups
+from s4r.core.subspace import (
+    fit_basis,
+    hybrid_sample_indices,
+    normalize_rows,
+    project,
+    project_queries,
+    relative_residual,
+)
+from s4r.layers.full import to_groups
 from s4r.layers.lowrank import LowRankLayer
 
 # tokens whose fp32 keys/values and coefficients one compression step holds at once (~3 MiB of fp32

@@ -80,3 +80,16 @@ def relative_residual(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
     captured = torch.matmul(x, basis).pow(2).sum(dim=(0, 2))
     return (total - captured).clamp_min(0) / total.clamp_min(1e-12)
+
+
+def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
+    """[G, width, r] basis -> [H, d, r]: the rows of the basis that belong to each KV head (a view)."""
+    if basis.shape[0] == heads:
+        return basis
+    return basis[0].view(heads, -1, basis.shape[-1])
+
+
+def project_queries(queries: torch.Tensor, basis_k: torch.Tensor) -> torch.Tensor:
+    """Query coefficients [H, rows, r_k] (fp32) of queries [H, rows, d] (the query heads of each KV head
+    as its rows) on the key basis [G, width, r_k]: each KV head's block of the basis."""
+    return torch.matmul(queries.float(), head_blocks(basis_k, queries.shape[0]).float())

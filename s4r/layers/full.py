@@ -226,24 +226,11 @@ def to_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2])
 
 
-def head_blocks(basis: torch.Tensor, heads: int) -> torch.Tensor:
-    """[G, width, r] basis -> [H, d, r]: the rows of the basis that belong to each KV head (a view)."""
-    if basis.shape[0] == heads:
-        return basis
-    return basis[0].view(heads, -1, basis.shape[-1])
-
-
-def project_queries(queries: torch.Tensor, basis_k: torch.Tensor) -> torch.Tensor:
-    """Query coefficients [H, rows, r_k] (fp32) of queries [H, rows, d] (the query heads of each KV head
-    as its rows) on the key basis [G, width, r_k]: each KV head's block of the basis."""
-    return torch.matmul(queries.float(), head_blocks(basis_k, queries.shape[0]).float())
-
-
 def staged_tensors(layer: StagingLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(keys [H,T,d], values [H,T,d], queries [Hq,W,d] or None) of a staging layer, batch 1."""
     q = layer.queries[0] if layer.queries is not None else None
     return layer.keys_view[0], layer.values_view[0], q
 
 
-__all__ = ["CacheLayer", "FullLayer", "StagingLayer", "head_blocks", "project_queries", "staged_tensors",
+__all__ = ["CacheLayer", "FullLayer", "StagingLayer", "staged_tensors",
            "tensor_bytes", "to_groups"]

@@ -25,9 +25,9 @@ from s4r.core.coef_bands import Encoded, encode_coefficients, plan_bands
 from s4r.core.latent import gather_value_rows, merged_attention
 from s4r.core.rope import RopeFn, undo_rope
 from s4r.core.selection import decay_factor
-from s4r.core.subspace import project, relative_residual
+from s4r.core.subspace import head_blocks, project, relative_residual
 from s4r.hf.attention import causal_mask, handoff
-from s4r.layers.full import CacheLayer, head_blocks, tensor_bytes, to_groups
+from s4r.layers.full import CacheLayer, tensor_bytes, to_groups
 from s4r.layers.growable import cloned, contiguous, grown
 from s4r.layers.lowrank_selection import LatentSelection
 from s4r.layers.lowrank_views import StoredViews

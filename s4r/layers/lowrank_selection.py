@@ -21,8 +21,8 @@ from s4r.core.selection import (
     select_tokens,
     update_relevance,
 )
+from s4r.core.subspace import head_blocks, project_queries
 from s4r.core.tail_planes import PlanarTail, decode_planar, gather_token_rows, planar_basis, plane_map
-from s4r.layers.full import head_blocks, project_queries
 from s4r.layers.growable import MIN_SPARE
 
 # the selected-token counts a model-dtype rebuild rounds up to (see `_model_dtype_key_logits`)

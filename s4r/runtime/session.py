@@ -36,7 +36,7 @@ from s4r.runtime.memory import (
 from s4r.runtime.ratio_limits import method_max_ratio
 from s4r.runtime.session_files import restore_session, save_session, saved_meta, session_kwargs
 from s4r.runtime.tokens import stop_token_ids, truncate_ids
-from s4r.runtime.turn_stats import IngestStats, TurnStats
+from s4r.runtime.turn_stats import IngestStats, TurnStats, timed_turn
 from s4r.validation import check_ratio
 
 __all__ = ["INGEST_MODES", "METHODS", "IngestStats", "MemoryReport", "Session", "TurnStats"]
@@ -310,12 +310,11 @@ class Session:
             loop_guard: bool = False) -> tuple[str, TurnStats]:
         """Answer `question` about the documents; streams text pieces through `on_token`.
 
-        Ctrl-C (KeyboardInterrupt) stops the answer: the partial answer is returned with
-        `interrupted=True` and the session stays usable. `prime` starts the answer with given text (as
-        benchmarks do); it is part of the prompt, not of the returned answer. `repeat_penalty` (> 1)
-        penalizes the tokens among the last `repeat_last_n` of the prompt and answer; `loop_guard` stops
-        an answer that repeats a block of itself back to back. The defaults are plain decoding (what the
-        benchmarks use); `TurnStats.stop_reason` tells why the answer ended.
+        Ctrl-C stops the answer: the partial answer comes back with `interrupted=True` and the session
+        stays usable. `prime` starts the answer with given text (part of the prompt, not of the answer).
+        `repeat_penalty` (> 1) penalizes the last `repeat_last_n` tokens; `loop_guard` stops an answer
+        that repeats a block of itself. The defaults are plain decoding; `TurnStats.stop_reason` says
+        why the answer ended.
         """
         ids = self._encode(self._turn_prefix() + question.strip() + self.segments.to_assistant + prime)
         if self.logical_length + len(ids) + 1 > self.context_length:
@@ -323,16 +322,11 @@ class Session:
         room = self.context_length - self.logical_length - len(ids)
         stop_reason = "context" if room < max_new_tokens else "max_new_tokens"
         max_new_tokens = min(max_new_tokens, room)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(seed)
-        if self.cache is None:
-            # no document: the question itself is the prompt that gets compressed (when it can be)
+        generator = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
+        fresh = self.cache is None
+        if fresh:  # no document: the question itself is the prompt that gets compressed (when it can be)
             self.cache = self._new_cache()
             self._staged_ids = list(ids)
-            fresh = True
-        else:
-            fresh = False
         start_len, start_state = self.logical_length, self._state
         generated: list[int] = []
         emitted = ""
@@ -381,14 +375,9 @@ class Session:
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         if on_token is not None and len(text) > len(emitted) and text.startswith(emitted):
             on_token(text[len(emitted):])
-        ttft = (t_first or t_end) - t0
-        decode_s = t_end - (t_first or t_end)
-        stats = TurnStats(
-            prompt_tokens=len(ids), generated_tokens=len(generated), ttft_s=ttft,
-            prefill_tok_s=len(ids) / ttft if ttft > 0 else 0.0,
-            decode_tok_s=(len(generated) - 1) / decode_s if decode_s > 0 and len(generated) > 1 else 0.0,
-            peak_mem_bytes=peak_memory_bytes(self.device), memory=self.memory(), interrupted=interrupted,
-            stop_reason=stop_reason)
+        stats = timed_turn(len(ids), len(generated), t0, t_first, t_end,
+                           peak_mem_bytes=peak_memory_bytes(self.device), memory=self.memory(),
+                           interrupted=interrupted, stop_reason=stop_reason)
         return text, stats
 
     # --- persistence (s4r.runtime.session_files) ----------------------------------------------------------

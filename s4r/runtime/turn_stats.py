@@ -36,8 +36,7 @@ class IngestStats:
 class TurnStats:
     """Figures of one question/answer turn. `peak_mem_bytes` is the process's measured peak (RSS on CPU,
     CUDA allocated on GPU; see `s4r.runtime.memory.peak_memory_bytes`), weights included, not the cache's
-    bytes
-    (those are in `memory`)."""
+    bytes (those are in `memory`)."""
 
     prompt_tokens: int
     generated_tokens: int
@@ -50,3 +49,16 @@ class TurnStats:
     # why the answer ended: "end" (the model finished), "max_new_tokens", "context" (the context is
     # full), "loop" (the answer repeated itself) or "interrupted"
     stop_reason: str = "end"
+
+
+def timed_turn(prompt_tokens: int, generated_tokens: int, t0: float, t_first: float | None, t_end: float,
+               **figures: object) -> TurnStats:
+    """A turn's stats from its clock readings: start, first sampled token (None: none came) and end;
+    `figures` are the remaining `TurnStats` fields."""
+    ttft = (t_first or t_end) - t0
+    decode_s = t_end - (t_first or t_end)
+    return TurnStats(
+        prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, ttft_s=ttft,
+        prefill_tok_s=prompt_tokens / ttft if ttft > 0 else 0.0,
+        decode_tok_s=(generated_tokens - 1) / decode_s if decode_s > 0 and generated_tokens > 1 else 0.0,
+        **figures)  # type: ignore[arg-type]
