@@ -55,6 +55,8 @@ def unsupported_reason(model) -> str | None:
         return "no model.layers / rotary_emb / norm"
     if len({p.device for p in model.parameters()}) > 1:
         return "weights on more than one device"
+    if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in model.parameters()):
+        return "weights sharded over ranks (tensor parallel)"
 
     def plain(module, names) -> bool:  # exactly nn.Linear: quantized linears subclass it
         return all(type(getattr(module, n, None)) is torch.nn.Linear
