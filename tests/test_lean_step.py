@@ -141,6 +141,11 @@ def test_the_reference_setting_and_unsupported_models_run_the_models_own_forward
     gelu = _model("llama", hidden_act="gelu")
     assert lean.lean_step(gelu, "lean") is None
     assert "cannot run this model (activation 'gelu' is not silu)" in capsys.readouterr().err
+    monkeypatch.delenv(lean.STEP_ENV, raising=False)
+    lean._said.clear()  # the line above was said once already
+    quiet = _model("llama", hidden_act="gelu")
+    assert lean.lean_step(quiet) is None  # the default falls back without a word
+    assert capsys.readouterr().err == ""
 
 
 def test_a_bad_step_name_in_the_environment_is_said_and_lean_used(monkeypatch, capsys):

@@ -92,7 +92,9 @@ def test_ranks_that_do_not_divide_the_kv_heads_end_in_one_line(setup):
 
 
 def test_a_dead_rank_ends_rank_0_in_one_line(setup):
-    procs = start_ranks(2, ask_argv(setup, "--file", str(setup["doc"]), "-n", "400", "--ratio", "2"))
+    # an answer that runs to the context limit (over a minute here), so rank 1 dies in the middle of it
+    procs = start_ranks(2, ask_argv(setup, "--file", str(setup["doc"]), "-n", "4000", "--ratio", "2",
+                                    "--no-loop-guard"))
     time.sleep(15)  # whatever rank 1 is doing by then: rank 0 must not wait for it
     os.killpg(procs[1].pid, signal.SIGKILL)
     results = wait_ranks(procs)

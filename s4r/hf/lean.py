@@ -163,8 +163,10 @@ class LeanStep:
 
 def lean_step(model, step: str | None = None) -> LeanStep | None:
     """The lean step of `model` (built on first use and kept on the model), or None where the model's own
-    forward runs: the reference is chosen, the model is unsupported (said once), or it does not run s4r
-    attention. `step` overrides the model's setting (`decode_step_setting`)."""
+    forward runs: the reference is chosen, the model is unsupported (said once where a lean step was asked
+    for by name; the default falls back quietly, as nothing is lost), or it does not run s4r attention.
+    `step` overrides the model's setting (`decode_step_setting`)."""
+    asked = bool(step or getattr(model, "_s4r_decode_step", None) or os.environ.get(STEP_ENV))
     step = step or decode_step_setting(model)
     if step == "reference":
         return None
@@ -183,7 +185,8 @@ def lean_step(model, step: str | None = None) -> LeanStep | None:
         return found
     reason = unsupported_reason(model)
     if reason is not None:
-        _say_once(f"the lean decode step cannot run this model ({reason}); using its own forward")
+        if asked:
+            _say_once(f"the lean decode step cannot run this model ({reason}); using its own forward")
         model.__dict__[_ATTR] = False
         return None
     found = built[compile_ops] = LeanStep(model, compile_ops=compile_ops)

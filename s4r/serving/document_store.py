@@ -109,7 +109,7 @@ class DocumentStore:
         if budget_bytes < 0:
             raise ValueError("the memory budget must not be negative")
         self.loaded = loaded
-        self.budget_bytes = int(budget_bytes)
+        self._budget_bytes = int(budget_bytes)
         self.session_kwargs = dict(session_kwargs or {})
         self._log = log or (lambda message: None)
         self.identity = session_identity(Session(loaded, **self.session_kwargs))
@@ -121,6 +121,19 @@ class DocumentStore:
             for key, saved in read_index(self.folder).items():
                 self._docs[key] = HeldDocument(key, saved.length, saved.tokens, saved.name,
                                                saved.stored_bytes, saved.full_bytes, file=saved.file)
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes of compressed caches kept in memory at most."""
+        return self._budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        if value < 0:
+            raise ValueError("the memory budget must not be negative")
+        with self._lock:
+            self._budget_bytes = int(value)
+            self._keep_budget_locked()
 
     # --- finding ----------------------------------------------------------------------------------
     def find(self, prompt: RenderedPrompt) -> HeldDocument | None:
@@ -152,21 +165,23 @@ class DocumentStore:
         cannot be loaded (then the store forgets it)."""
         t0 = time.perf_counter()
         source = "memory"
-        if doc.session is None:
+        session = doc.session
+        if session is None:
             session = self._load(doc)
             if session is None:
                 return None
-            doc.session, source = session, "disk"
-        assert doc.session.cache is not None
-        cache = fork_cache(doc.session.cache, doc.session.rope)
+            source = "disk"
+        assert session.cache is not None
+        cache = fork_cache(session.cache, session.rope)
         with self._lock:
             doc.hits += 1
             if source == "memory":
                 self.counters.memory_hits += 1
             else:
                 self.counters.disk_hits += 1
+            doc.session = session  # counted and kept within the budget in one step
             self._docs.move_to_end(doc.key)
-        self._keep_budget()
+            self._keep_budget_locked()
         return Checkout(cache, doc.tokens, source, time.perf_counter() - t0, doc)
 
     def ingest(self, prefix: str, *, system: str | None, body: str, name: str, keep: bool = True,
@@ -194,25 +209,25 @@ class DocumentStore:
         with self._lock:
             self._docs[doc.key] = doc
             self._docs.move_to_end(doc.key)
-        self._keep_budget()
+            self._keep_budget_locked()
         return Checkout(cache, tokens, "new", seconds, doc)
 
     # --- memory and disk ----------------------------------------------------------------------------
-    def _keep_budget(self) -> None:
-        """Drop the least recently used documents from memory until the rest fit the budget."""
-        with self._lock:
-            resident = [d for d in self._docs.values() if d.session is not None]
-            total = sum(d.stored_bytes for d in resident)
-            for doc in resident:
-                if total <= self.budget_bytes:
-                    break
-                total -= doc.stored_bytes
-                doc.session = None
-                self.counters.evictions += 1
-                if doc.file is None:  # nowhere to load it back from
-                    del self._docs[doc.key]
-                    self.counters.forgotten += 1
-                self._log(f"{doc.name}: left memory ({'on disk' if doc.file else 'forgotten'})")
+    def _keep_budget_locked(self) -> None:
+        """Drop the least recently used documents from memory until the rest fit the budget (the
+        caller holds the lock, so no snapshot sees the store over its budget)."""
+        resident = [d for d in self._docs.values() if d.session is not None]
+        total = sum(d.stored_bytes for d in resident)
+        for doc in resident:
+            if total <= self._budget_bytes:
+                break
+            total -= doc.stored_bytes
+            doc.session = None
+            self.counters.evictions += 1
+            if doc.file is None:  # nowhere to load it back from
+                del self._docs[doc.key]
+                self.counters.forgotten += 1
+            self._log(f"{doc.name}: left memory ({'on disk' if doc.file else 'forgotten'})")
 
     def _save(self, doc: HeldDocument) -> None:
         """Write `doc`'s cache to the folder and the index; a failure leaves it in memory only."""
@@ -261,5 +276,5 @@ class DocumentStore:
             resident = [d for d in self._docs.values() if d.session is not None]
             saved = sum(1 for d in self._docs.values() if d.file is not None)
             counters = StoreCounters(**vars(self.counters))
-        return StoreSnapshot(self.budget_bytes, len(resident), sum(d.stored_bytes for d in resident),
+        return StoreSnapshot(self._budget_bytes, len(resident), sum(d.stored_bytes for d in resident),
                              sum(d.full_bytes for d in resident), saved, counters)
