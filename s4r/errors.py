@@ -36,6 +36,10 @@ class DeviceError(S4RError):
     """The requested device (or quantization) is not available on this machine."""
 
 
+class RankError(S4RError):
+    """Under torchrun: another rank stopped, did not answer in time, or the process group could not start."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's text (library errors can run to pages), or its type."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from s4r.errors import RankError
 from s4r_cli.cli_errors import UsageError
 
 T = TypeVar("T")
@@ -78,8 +79,6 @@ def _mute() -> None:
 
 def _end_on_sigterm() -> None:
     """torchrun stops the other ranks with SIGTERM when one fails: end with one line, not a traceback."""
-    from s4r.distributed.world import RankError
-
     def handler(signum: int, frame: Any) -> None:
         raise RankError("the launcher stopped this rank because another rank ended (see its message)")
 
@@ -131,7 +130,7 @@ def on_every_rank(step: Callable[[], T]) -> T:
     if error is not None:
         raise error
     rank, text = failed[0]
-    raise world.RankError(f"rank {rank}: {text}")
+    raise RankError(f"rank {rank}: {text}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -194,7 +193,7 @@ def collectives_checked() -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        if not world.current().distributed or isinstance(exc, world.RankError):
+        if not world.current().distributed or isinstance(exc, RankError):
             raise
         raise world.lost(exc) from None
 

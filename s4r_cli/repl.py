@@ -24,7 +24,7 @@ from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import Output
 
-from s4r.errors import ContextTooLongError, S4RError
+from s4r.errors import ContextTooLongError, RankError, S4RError
 from s4r.units import mib
 from s4r_cli.checks import check_cache_path
 from s4r_cli.cli_errors import UsageError, error_message
@@ -32,6 +32,7 @@ from s4r_cli.documents import read_document_file
 from s4r_cli.generation_settings import SETTABLE, GenerationSettings
 from s4r_cli.labels import method_label
 from s4r_cli.options import Truncate
+from s4r_cli.ranks import collectives_checked
 from s4r_cli.session_setup import ingest, report_uncompressed
 from s4r_cli.ui import UI, is_tty, process_memory_text, seconds, stop_notice, turn_stats_line
 
@@ -85,17 +86,20 @@ class CommandHandler:
         if not text:
             return True
         try:
-            if text.startswith("//"):
-                self.ask(text[1:])
-                return True
-            if text.startswith("/"):
-                name, _, arg = text.partition(" ")
-                command = self._commands.get(name.lower())
-                if command is None:
-                    self.ui.error(f"unknown command {name}; try /help")
+            with collectives_checked():
+                if text.startswith("//"):
+                    self.ask(text[1:])
                     return True
-                return command(arg.strip())
-            self.ask(line.strip("\n"))
+                if text.startswith("/"):
+                    name, _, arg = text.partition(" ")
+                    command = self._commands.get(name.lower())
+                    if command is None:
+                        self.ui.error(f"unknown command {name}; try /help")
+                        return True
+                    return command(arg.strip())
+                self.ask(line.strip("\n"))
+        except RankError:
+            raise  # another rank is gone: the chat cannot go on, and `s4r` says so in one line
         except UsageError as e:
             self.ui.error(str(e))
         except S4RError as e:

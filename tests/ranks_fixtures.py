@@ -4,6 +4,7 @@ each process's environment), and a tiny model folder with 4 KV heads and a chara
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -76,6 +77,15 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float = LAUNCH_TIMEOUT_S)
                 os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"the ranks did not end within {timeout} s") from None
     return results
+
+
+def await_output(proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> str:
+    """Wait until `proc` writes something to stdout (its answer has begun) and return what it wrote then
+    (taken from what `wait_ranks` will see)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"rank 0 wrote nothing within {timeout} s")
+    return os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
 
 
 def launch(size: int, argv: list[str], stdin: str = "") -> list[RankResult]:

@@ -16,14 +16,10 @@ from typing import Any
 
 import torch
 
-from s4r.errors import S4RError
+from s4r.errors import RankError
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "S4R_DIST_TIMEOUT"
-
-
-class RankError(S4RError):
-    """Another rank stopped, did not answer in time, or the process group could not start."""
 
 
 @dataclass(frozen=True)
