@@ -3,13 +3,21 @@
 Same model, method, ratio, device and thread options as `chat` and `ask`; --file and --book documents
 are read and held before the server starts. The app is `s4r_cli.server.app`, the serving library under
 it `s4r.serving`.
+
+Under torchrun rank 0 serves and the other ranks follow its engine calls (`s4r.serving.lockstep`); rank
+0 alone decides when serving ends, and a lost rank ends it with one line.
 """
 
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,11 +28,23 @@ from s4r_cli.checks import check_method, check_model_spec
 from s4r_cli.cli_errors import UsageError
 from s4r_cli.documents import Document, read_book_documents, read_documents, stdin_bytes
 from s4r_cli.options import CommonArgs, common_args, with_options
+from s4r_cli.ranks import (
+    EXIT_FOLLOWER,
+    collectives_checked,
+    finish,
+    is_main_rank,
+    launched,
+    on_main,
+    start_ranks,
+)
 from s4r_cli.session_setup import check_ratio_reachable, open_model
 from s4r_cli.ui import UI
 
 _SERVER = "Server"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# under torchrun: how often idle followers hear from rank 0 (at most a quarter of S4R_DIST_TIMEOUT)
+KEEPALIVE_S = 5.0
+WATCH_S = 0.25
 
 
 def serve(
@@ -73,13 +93,23 @@ def serve(
         raise UsageError("serve keeps its document caches in --cache-dir; --load is for chat and ask")
     budget = _size(memory_budget, "--memory-budget")
     body_limit = _size(max_request_bytes, "--max-request-bytes")
-    docs = read_documents(args.files, stdin=stdin_bytes()) + read_book_documents(args.books)
-    check_model_spec(args.model)
-    check_method(args.method)
-    check_port(host, port)
-    run_server(args, docs, host=host, port=port, api_key=api_key, budget=budget, cache_dir=cache_dir,
-               min_document_tokens=min_document_tokens, max_queue=max_queue,
-               max_tokens_limit=max_tokens_limit, body_limit=body_limit, model_id=served_model_name)
+
+    def validated() -> list[Document]:
+        docs = read_documents(args.files, stdin=stdin_bytes()) + read_book_documents(args.books)
+        check_model_spec(args.model)
+        check_method(args.method)
+        check_port(host, port)
+        return docs
+
+    start_ranks(args.device)
+    try:
+        with collectives_checked():
+            docs = on_main(validated)  # under torchrun only rank 0 reads the input and takes the port
+            run_server(args, docs, host=host, port=port, api_key=api_key, budget=budget, cache_dir=cache_dir,
+                       min_document_tokens=min_document_tokens, max_queue=max_queue,
+                       max_tokens_limit=max_tokens_limit, body_limit=body_limit, model_id=served_model_name)
+    finally:
+        finish()
 
 
 def _size(text: str, option: str) -> int:
@@ -108,13 +138,12 @@ def check_port(host: str, port: int) -> None:
 def run_server(args: CommonArgs, docs: list[Document], *, host: str, port: int, api_key: str | None,
                budget: int, cache_dir: Path | None, min_document_tokens: int, max_queue: int,
                max_tokens_limit: int, body_limit: int, model_id: str | None) -> None:
-    """Load the model, hold the documents, then serve until Ctrl-C."""
-    import uvicorn
-
+    """Load the model, hold the documents, then serve until Ctrl-C or SIGTERM (a follower rank under
+    torchrun follows rank 0's engine calls instead)."""
     from s4r.serving.document_store import DocumentStore
     from s4r.serving.engine import Engine
     from s4r.serving.generate import Sampling
-    from s4r_cli.server.app import ServerConfig, create_app
+    from s4r_cli.server.app import ServerConfig
 
     ui = UI.for_ask()
     loaded = open_model(args, ui)
@@ -124,25 +153,93 @@ def run_server(args: CommonArgs, docs: list[Document], *, host: str, port: int, 
                           log=lambda line: _say(line))
     engine = Engine(loaded, store, default_system=args.system, max_tokens=args.max_new_tokens,
                     min_document_tokens=min_document_tokens)
-    if store.documents():
-        _say(f"found {len(store.documents())} saved documents in {store.folder}")
-    for doc in docs:
-        held, new = engine.preload(doc.text, doc.name)
-        how = "read" if new else "already held"
-        _say(f"{doc.name}: {how}, {held.tokens:,} tokens in {memory_size(held.stored_bytes)} "
-             f"(x{held.full_bytes / max(held.stored_bytes, 1):.2f})")
-    g = args.generation
-    config = ServerConfig(model_id=model_id or str(loaded.name), method=args.method, ratio=args.ratio,
-                          api_key=api_key, max_request_bytes=body_limit, max_queue=max_queue,
-                          max_tokens_limit=max_tokens_limit,
-                          defaults=Sampling(g.max_new_tokens, g.temperature, g.top_p, g.seed,
-                                            g.repeat_penalty, g.loop_guard))
-    if host not in LOOPBACK and api_key is None:
-        _say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
-    shown = f"[{host}]" if ":" in host else host
-    _say(f"serving {config.model_id} ({args.method}, ratio {args.ratio:g}) on http://{shown}:{port}/v1; "
-         f"memory budget {memory_size(budget)}" + (f", caches in {cache_dir}" if cache_dir else ""))
-    uvicorn.run(create_app(engine, config), host=host, port=port, log_level="warning")
+    if not is_main_rank():
+        _follow(engine)
+        return
+    with followers_released(engine):
+        if store.documents():
+            _say(f"found {len(store.documents())} saved documents in {store.folder}")
+        for doc in docs:
+            held, new = engine.preload(doc.text, doc.name)
+            how = "read" if new else "already held"
+            _say(f"{doc.name}: {how}, {held.tokens:,} tokens in {memory_size(held.stored_bytes)} "
+                 f"(x{held.full_bytes / max(held.stored_bytes, 1):.2f})")
+        g = args.generation
+        config = ServerConfig(model_id=model_id or str(loaded.name), method=args.method, ratio=args.ratio,
+                              api_key=api_key, max_request_bytes=body_limit, max_queue=max_queue,
+                              max_tokens_limit=max_tokens_limit,
+                              defaults=Sampling(g.max_new_tokens, g.temperature, g.top_p, g.seed,
+                                                g.repeat_penalty, g.loop_guard))
+        if host not in LOOPBACK and api_key is None:
+            _say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
+        shown = f"[{host}]" if ":" in host else host
+        _say(f"serving {config.model_id} ({args.method}, ratio {args.ratio:g}) on http://{shown}:{port}/v1; "
+             f"memory budget {memory_size(budget)}" + (f", caches in {cache_dir}" if cache_dir else ""))
+        serve_http(engine, config, host, port)
+
+
+def _follow(engine: Any) -> None:
+    """A follower rank: make rank 0's engine calls until it ends serving. Rank 0 alone decides when
+    that is (Ctrl-C and SIGTERM reach every rank of a launch), so they do not stop a follower."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not engine.follow():
+        raise SystemExit(EXIT_FOLLOWER)
+
+
+@contextmanager
+def followers_released(engine: Any) -> Iterator[None]:
+    """On rank 0: however serving ends, end the followers' `follow` too (as a good end for Ctrl-C)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        engine.release_followers(ok=True)
+        raise
+    except BaseException:
+        engine.release_followers(ok=False)
+        raise
+    engine.release_followers(ok=True)
+
+
+def serve_http(engine: Any, config: Any, host: str, port: int) -> None:
+    """Run the app until Ctrl-C, SIGTERM (both after a graceful shutdown) or, under torchrun, a lost rank
+    (then its RankError is raised)."""
+    import uvicorn
+
+    from s4r_cli.server.app import create_app
+
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    done = threading.Event()
+    if launched():
+        threading.Thread(target=_watch_ranks, args=(engine, app.state.worker, server, done), daemon=True,
+                         name="s4r-ranks").start()
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again: it ends s4r with exit code 0
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        done.set()
+        app.state.worker.join()  # the followers' next word must come after the last request's
+        signal.signal(signal.SIGTERM, previous)
+    if engine.failed is not None:
+        raise engine.failed
+
+
+def _watch_ranks(engine: Any, worker: Any, server: Any, done: threading.Event) -> None:
+    """Under torchrun: a keep-alive to idle followers now and then (their wait for the next call stays
+    within the process group's timeout), and the end of the server once a rank is lost."""
+    from s4r.distributed.world import timeout_s
+
+    every = min(KEEPALIVE_S, timeout_s() / 4)
+    last = time.monotonic()
+    while not done.wait(WATCH_S):
+        if engine.failed is not None:
+            server.should_exit = True
+            return
+        if time.monotonic() - last >= every:
+            worker.chore(engine.keepalive)
+            last = time.monotonic()
 
 
 def _say(line: str) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # every wait on another rank inside s4r; the launches below are bounded separately
@@ -109,11 +110,13 @@ def char_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def tiny_model_dir(folder: Path) -> Path:
-    """A seeded random llama with 8 query and 4 KV heads (two layers) and its tokenizer, saved to `folder`."""
+def tiny_model_dir(folder: Path, **overrides: Any) -> Path:
+    """A seeded random llama with 8 query and 4 KV heads (two layers) and its tokenizer, saved to `folder`
+    (`overrides` replace config values)."""
     from tests.helpers import tiny_model
 
-    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4, eos_token_id=2, bos_token_id=1)
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4, eos_token_id=2, bos_token_id=1,
+                       **overrides)
     model.save_pretrained(folder)
     char_tokenizer(folder)
     return folder

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from s4r.distributed.rank_files import rank_path
+
 INDEX_FORMAT = "s4r-serve-index/1"
 INDEX_NAME = "index.json"
 
@@ -40,7 +42,8 @@ def prefix_key(text: str) -> str:
 
 
 def read_index(folder: Path) -> dict[str, SavedDocument]:
-    """The saved documents of `folder` whose files are there; an unreadable index counts as empty."""
+    """The saved documents of `folder` whose files are there (this rank's part of each, under torchrun);
+    an unreadable index counts as empty."""
     path = folder / INDEX_NAME
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -49,7 +52,7 @@ def read_index(folder: Path) -> dict[str, SavedDocument]:
                  for key, rec in docs.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
-    return {key: doc for key, doc in found.items() if (folder / doc.file).is_file()}
+    return {key: doc for key, doc in found.items() if rank_path(folder / doc.file).is_file()}
 
 
 def write_index(folder: Path, identity: dict[str, Any], docs: dict[str, SavedDocument]) -> None:

@@ -7,6 +7,12 @@ first. With a cache folder every new document is saved there as soon as it is in
 restart loses none), leaving memory only drops it, and the next request for it loads it back; an index
 in the folder (`s4r.serving.disk_index`) lets a restarted store find them by prefix. Without a folder, a
 document that leaves memory is forgotten.
+
+Under torchrun every rank has a store holding its heads' share of each cache (and its own part files),
+and the ranks must decide alike (an ingest on one rank alone would leave the model's collectives
+waiting): a document's bytes are its bytes over all ranks, so the budget and the eviction order are the
+same on every rank, and a document counts as saved, loaded or found on disk only when it is on every
+rank.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from s4r.distributed.rank_files import rank_path
+from s4r.distributed.world import current, gather
 from s4r.errors import CacheFileError
 from s4r.hf.cache import CompressedCache
 from s4r.runtime.session import Session
@@ -29,6 +37,18 @@ from s4r.serving.prompt import RenderedPrompt
 
 # Session settings that shape how a cache is made but are not part of what a saved cache must match
 LOAD_KWARGS = ("truncate", "ingest", "hidden_spill")
+
+
+def cache_bytes(cache: CompressedCache) -> tuple[int, int]:
+    """The stored and the uncompressed bytes of `cache` over all ranks (under torchrun each holds its
+    heads' share; called on every rank)."""
+    parts = gather((int(cache.nbytes()), int(cache.full_nbytes())))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def on_every_rank(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (called on every rank; `ok` itself without torchrun)."""
+    return all(gather(bool(ok)))
 
 
 @dataclass
@@ -113,12 +133,18 @@ class DocumentStore:
         self.session_kwargs = dict(session_kwargs or {})
         self._log = log or (lambda message: None)
         self.identity = session_identity(Session(loaded, **self.session_kwargs))
-        self.folder = identity_folder(Path(cache_dir), self.identity) if cache_dir is not None else None
+        ranks = current().size  # caches saved by N ranks keep to folders of their own
+        where = self.identity if ranks == 1 else {**self.identity, "ranks": ranks}
+        self.folder = identity_folder(Path(cache_dir), where) if cache_dir is not None else None
         self._docs: OrderedDict[str, HeldDocument] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self.counters = StoreCounters()
         if self.folder is not None:
-            for key, saved in read_index(self.folder).items():
+            found = read_index(self.folder)
+            everywhere = set.intersection(*(set(keys) for keys in gather(sorted(found))))
+            for key, saved in found.items():
+                if key not in everywhere:
+                    continue
                 self._docs[key] = HeldDocument(key, saved.length, saved.tokens, saved.name,
                                                saved.stored_bytes, saved.full_bytes, file=saved.file)
 
@@ -202,8 +228,8 @@ class DocumentStore:
             self.counters.ingest_seconds += seconds
         if not keep:
             return Checkout(session.cache, tokens, "none", seconds, None)
-        doc = HeldDocument(prefix_key(prefix), len(prefix), tokens, name, session.cache.nbytes(),
-                           session.cache.full_nbytes(), session=session)
+        stored, full = cache_bytes(session.cache)
+        doc = HeldDocument(prefix_key(prefix), len(prefix), tokens, name, stored, full, session=session)
         self._save(doc)
         cache = fork_cache(session.cache, session.rope) if fork else session.cache
         with self._lock:
@@ -234,36 +260,46 @@ class DocumentStore:
         if self.folder is None or doc.session is None:
             return
         file = f"{doc.key[:32]}.s4r"
+        problem = None
         try:
             doc.session.save(self.folder / file)
-            doc.file = file
-            with self._lock:
-                saved = {d.key: d.saved() for d in self._docs.values() if d.file is not None}
-            saved[doc.key] = doc.saved()
-            write_index(self.folder, self.identity, saved)
         except (OSError, CacheFileError) as exc:
-            doc.file = None
+            problem = str(exc)
+        if not on_every_rank(problem is None):
             self.counters.save_failures += 1
-            self._log(f"{doc.name}: could not be saved ({exc}); kept in memory only")
+            self._log(f"{doc.name}: could not be saved ({problem or 'on another rank'}); kept in memory only")
+            return
+        doc.file = file
+        with self._lock:
+            saved = {d.key: d.saved() for d in self._docs.values() if d.file is not None}
+        saved[doc.key] = doc.saved()
+        try:
+            write_index(self.folder, self.identity, saved)
+        except OSError as exc:  # the cache is saved (and loads back); only a restart will not find it
+            self.counters.save_failures += 1
+            self._log(f"{doc.name}: the index in {self.folder} could not be written ({exc})")
 
     def _load(self, doc: HeldDocument) -> Session | None:
         """`doc`'s session from its file, or None (the file is gone or damaged: the store forgets it)."""
         assert self.folder is not None and doc.file is not None
         path = self.folder / doc.file
         kwargs = {k: v for k, v in self.session_kwargs.items() if k in LOAD_KWARGS}
+        session, problem = None, "on another rank"
         try:
             session = Session.load(path, self.loaded, **kwargs)
             if session.logical_length != doc.tokens:
                 raise CacheFileError(f"{path} holds {session.logical_length} tokens, "
                                      f"the index says {doc.tokens}")
         except CacheFileError as exc:
+            session, problem = None, str(exc)
+        if not on_every_rank(session is not None):
             with self._lock:
                 self._docs.pop(doc.key, None)
                 self.counters.load_failures += 1
                 saved = {d.key: d.saved() for d in self._docs.values() if d.file is not None}
-            self._log(f"{doc.name}: saved cache refused ({exc}); it will be read again")
+            self._log(f"{doc.name}: saved cache refused ({problem}); it will be read again")
             try:
-                path.unlink(missing_ok=True)
+                rank_path(path).unlink(missing_ok=True)
                 write_index(self.folder, self.identity, saved)
             except OSError:
                 pass

@@ -4,19 +4,26 @@ A request's prompt is rendered (`s4r.serving.prompt`); the longest held document
 reused (from memory or from disk), or a long new one is ingested and kept; the rest of the prompt is
 prefilled over a fork of that cache and the answer decoded (`s4r.serving.generate`). Requests run in
 order behind one lock: the model and its attention hand-off serve a single forward at a time.
+
+Under torchrun (a tensor-parallel model) rank 0's engine takes the calls and the other ranks' engines
+`follow` it (`s4r.serving.lockstep`). Once a rank is lost the process group is unusable: the engine
+keeps the error in `failed` and raises it for every later call.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from s4r.errors import ContextTooLongError
+from s4r.distributed.world import current, lost
+from s4r.errors import ContextTooLongError, RankError
 from s4r.runtime.tokens import stop_token_ids
+from s4r.serving import lockstep
 from s4r.serving.disk_index import prefix_key
-from s4r.serving.document_store import Checkout, DocumentStore, HeldDocument, StoreSnapshot
+from s4r.serving.document_store import Checkout, DocumentStore, HeldDocument, StoreSnapshot, cache_bytes
 from s4r.serving.generate import Generated, Sampling, generate
 from s4r.serving.prompt import Message, RenderedPrompt, render
 
@@ -75,6 +82,7 @@ class Engine:
         self.context_length = int(loaded.context_length)
         self.lock = threading.Lock()
         self.counters = EngineCounters()
+        self.failed: RankError | None = None
         self._stop_ids = stop_token_ids(loaded.tokenizer, loaded.model)
 
     def _encode(self, text: str) -> list[int]:
@@ -89,7 +97,8 @@ class Engine:
         document and whether it was ingested now (False: it was held already, in memory or on disk)."""
         prompt = self.render([Message("user", text)])
         prefix = prompt.text[:prompt.first_end]
-        with self.lock:
+        with self.lock, self._ranks_checked():
+            lockstep.lead(lockstep.PRELOAD, text, name)
             doc = self.store.get(prefix_key(prefix))
             if doc is not None:
                 return doc, False
@@ -129,28 +138,78 @@ class Engine:
             if cancelled():
                 self.counters.cancelled += 1
                 return Completion("", "cancelled", 0, 0, 0, 0, "none", None, 0.0, 0.0, 0.0, 0, 0)
-            checkout, end = self._document(prompt, name)
-            rest_ids = self._encode(prompt.text[end:])
-            start = checkout.cache.logical_length()
-            room = self.context_length - start - len(rest_ids)
-            if room < 1:
-                raise ContextTooLongError(start + len(rest_ids) + 1, self.context_length)
-            limited = Sampling(**{**vars(sampling), "max_tokens": min(sampling.max_tokens, room)})
-            out: Generated = generate(
-                self.loaded.model, self.loaded.tokenizer, checkout.cache, rest_ids, start=start,
-                stop_ids=self._stop_ids, sampling=limited, chunk_size=self.chunk_size,
-                device=self.loaded.device, on_text=on_text, on_prefilled=on_prefilled, cancelled=cancelled)
-            reused = checkout.source in ("memory", "disk")
-            doc = checkout.document
-            completion = Completion(
-                text=out.text, finish_reason=out.finish_reason, prompt_tokens=start + len(rest_ids),
-                cached_tokens=start if reused else 0, prefilled_tokens=len(rest_ids),
-                completion_tokens=out.tokens, cache=checkout.source, document=doc.key if doc else None,
-                document_seconds=checkout.seconds, prefill_s=out.prefill_s, decode_s=out.decode_s,
-                kv_bytes=checkout.cache.nbytes(), kv_full_bytes=checkout.cache.full_nbytes())
-            del checkout, out  # the request's fork goes now, not at the next request
+            with self._ranks_checked():
+                lockstep.lead(lockstep.COMPLETE, prompt, sampling, name)
+                completion = self._complete(prompt, sampling, name, on_text, on_prefilled, cancelled)
             self._count(completion)
         return completion
+
+    def _complete(self, prompt: RenderedPrompt, sampling: Sampling, name: str,
+                  on_text: Callable[[str], None] | None, on_prefilled: Callable[[], None] | None,
+                  cancelled: Callable[[], bool]) -> Completion:
+        """`complete` once it holds the lock (and, under torchrun, the followers make the same call)."""
+        checkout, end = self._document(prompt, name)
+        rest_ids = self._encode(prompt.text[end:])
+        start = checkout.cache.logical_length()
+        room = self.context_length - start - len(rest_ids)
+        if room < 1:
+            raise ContextTooLongError(start + len(rest_ids) + 1, self.context_length)
+        limited = Sampling(**{**vars(sampling), "max_tokens": min(sampling.max_tokens, room)})
+        out: Generated = generate(
+            self.loaded.model, self.loaded.tokenizer, checkout.cache, rest_ids, start=start,
+            stop_ids=self._stop_ids, sampling=limited, chunk_size=self.chunk_size,
+            device=self.loaded.device, on_text=on_text, on_prefilled=on_prefilled, cancelled=cancelled)
+        reused = checkout.source in ("memory", "disk")
+        doc = checkout.document
+        stored, full = cache_bytes(checkout.cache)
+        completion = Completion(
+            text=out.text, finish_reason=out.finish_reason, prompt_tokens=start + len(rest_ids),
+            cached_tokens=start if reused else 0, prefilled_tokens=len(rest_ids),
+            completion_tokens=out.tokens, cache=checkout.source, document=doc.key if doc else None,
+            document_seconds=checkout.seconds, prefill_s=out.prefill_s, decode_s=out.decode_s,
+            kv_bytes=stored, kv_full_bytes=full)
+        return completion
+
+    @contextmanager
+    def _ranks_checked(self) -> Iterator[None]:
+        """Under torchrun: refuse work once a rank was lost, and keep the error of a collective that
+        failed (raised as RankError)."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            yield
+        except RankError as exc:
+            self.failed = exc
+            raise
+        except RuntimeError as exc:
+            if not current().distributed:
+                raise
+            self.failed = lost(exc)
+            raise self.failed from None
+
+    def follow(self) -> bool:
+        """On a follower rank under torchrun: make rank 0's calls until it releases the ranks (see
+        `s4r.serving.lockstep.follow`). Returns whether rank 0 ended well."""
+        return lockstep.follow(self)
+
+    def keepalive(self) -> bool:
+        """On rank 0 under torchrun, between requests: tell the waiting followers this rank is still
+        there. Returns False once a rank is lost (then `failed` says why)."""
+        with self.lock:
+            try:
+                with self._ranks_checked():
+                    lockstep.keepalive()
+            except RankError:
+                return False
+        return True
+
+    def release_followers(self, ok: bool = True) -> None:
+        """On rank 0 under torchrun, at the end: end the followers' `follow` (nothing to do once a rank
+        was lost: the followers end on their own then)."""
+        with self.lock:
+            if self.failed is None:
+                with suppress(RankError):  # a follower that died unnoticed: rank 0 is ending anyway
+                    lockstep.release(ok)
 
     def _count(self, c: Completion) -> None:
         n = self.counters

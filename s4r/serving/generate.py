@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from s4r.distributed.world import agree_token
 from s4r.hf.generation import apply_repetition_penalty, forward_tokens, loops, prefill, sample_token
 
 REPEAT_LAST_N = 64
+# the token rank 0 sends instead of the next one when its client left (under torchrun)
+CANCELLED = -1
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,8 @@ def generate(model, tokenizer, cache, prompt_ids: list[int], *, start: int, stop
 
     Streamed text holds back as many characters as the longest stop string, so a stop string is never
     sent. `on_prefilled` is called once the prompt is in the cache. `cancelled` is asked before every
-    token: a true answer stops the answer where it is.
+    token: a true answer stops the answer where it is (under torchrun rank 0's answer counts, and every
+    rank takes rank 0's token).
     """
     generator = None
     if sampling.seed is not None:
@@ -69,12 +73,15 @@ def generate(model, tokenizer, cache, prompt_ids: list[int], *, start: int, stop
         if on_prefilled is not None:
             on_prefilled()
         for _ in range(sampling.max_tokens):
-            if cancelled():
-                finish = "cancelled"
-                break
+            stop_now = cancelled()
             recent = (prompt_ids[-REPEAT_LAST_N:] + generated)[-REPEAT_LAST_N:]
             logits = apply_repetition_penalty(logits.float(), recent, sampling.repeat_penalty)
             token = sample_token(logits, sampling.temperature, sampling.top_p, generator)
+            # under torchrun every rank continues (or stops) as rank 0 does, whatever the logits' rounding
+            token = agree_token(CANCELLED if stop_now else token)
+            if token == CANCELLED:
+                finish = "cancelled"
+                break
             if token in stop_ids:
                 finish = "stop"
                 break

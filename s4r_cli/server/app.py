@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from s4r.errors import ContextTooLongError, S4RError, first_line
+from s4r.errors import ContextTooLongError, RankError, S4RError, first_line
 from s4r.serving.engine import Completion, Engine
 from s4r.serving.generate import Sampling
 from s4r.serving.prompt import Message, PromptError, RenderedPrompt, message_text
@@ -136,8 +136,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                          "context_length": engine.context_length}}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": config.model_id, "queued": worker.pending}
+    async def health() -> Response:
+        if engine.failed is not None:  # a rank was lost (torchrun): the server is ending
+            return _api_error(engine.failed).response()
+        return JSONResponse({"status": "ok", "model": config.model_id, "queued": worker.pending})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -236,6 +238,8 @@ def _api_error(exc: BaseException) -> ApiError:
                         f"model's context is {exc.limit:,}", code="context_length_exceeded", param="messages")
     if isinstance(exc, PromptError):
         return ApiError(400, str(exc), param="messages")
+    if isinstance(exc, RankError):  # under torchrun: the model cannot run without every rank
+        return ApiError(503, f"the server cannot answer: {first_line(exc)}", code="rank_lost")
     if isinstance(exc, S4RError):
         return ApiError(500, first_line(exc), code="s4r_error")
     log.error("internal error in the model worker: %s: %s", type(exc).__name__, first_line(exc))

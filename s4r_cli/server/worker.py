@@ -49,6 +49,8 @@ class ModelWorker:
         self.max_queue = max_queue
         self.pending = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4r-model")
+        self._runs: set[RequestRun] = set()
+        self._chore_queued = False
 
     def full(self) -> bool:
         """Whether the queue (running and waiting requests) is at its bound."""
@@ -59,6 +61,7 @@ class ModelWorker:
         loop = asyncio.get_running_loop()
         run = RequestRun(loop)
         self.pending += 1
+        self._runs.add(run)
 
         def call() -> None:
             try:
@@ -67,12 +70,35 @@ class ModelWorker:
                 run.emit("error", exc)
 
         future = loop.run_in_executor(self._executor, call)
-        future.add_done_callback(lambda _: self._finished())
+        future.add_done_callback(lambda _: self._finished(run))
         return run
 
-    def _finished(self) -> None:
+    def _finished(self, run: RequestRun) -> None:
         self.pending -= 1
+        self._runs.discard(run)
+
+    def chore(self, work: Callable[[], object]) -> None:
+        """Run `work` on the worker thread between requests, unless an earlier chore still waits there
+        (nothing once the worker is shut down)."""
+        if self._chore_queued:
+            return
+        self._chore_queued = True
+
+        def call() -> None:
+            self._chore_queued = False
+            work()
+
+        try:
+            self._executor.submit(call)
+        except RuntimeError:  # shut down
+            self._chore_queued = False
 
     def shutdown(self) -> None:
-        """Stop taking work; the running request finishes."""
+        """Stop taking work; a request still running stops at its next token."""
+        for run in list(self._runs):
+            run.cancel.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def join(self) -> None:
+        """Wait until the worker thread has finished what it was doing (after `shutdown`)."""
+        self._executor.shutdown(wait=True)
