@@ -186,6 +186,10 @@ class Engine:
                 raise
             self.failed = lost(exc)
             raise self.failed from None
+        except KeyboardInterrupt:
+            if current().distributed:  # stopped between two collectives: the other ranks wait in one
+                self.failed = RankError("rank 0 was interrupted in the middle of a call all ranks make")
+            raise
 
     def follow(self) -> bool:
         """On a follower rank under torchrun: make rank 0's calls until it releases the ranks (see

@@ -10,6 +10,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any
 
 from starlette.requests import Request
@@ -29,7 +30,8 @@ class RequestRun:
 
     def emit(self, kind: str, value: Any = None) -> None:
         """Queue an event from the worker thread."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        with suppress(RuntimeError):  # the event loop has closed (the server stopped): nobody waits for it
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
     async def next_event(self, request: Request) -> tuple[str, Any]:
         """The next event; ("disconnected", None) when the client left first (the run is cancelled)."""
