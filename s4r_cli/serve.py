@@ -214,7 +214,7 @@ def serve_http(engine: Any, config: Any, host: str, port: int) -> None:
     if launched():
         threading.Thread(target=_watch_ranks, args=(engine, app.state.worker, server, done), daemon=True,
                          name="s4r-ranks").start()
-    # uvicorn shuts down gracefully on SIGTERM, then raises it again: it ends s4r with exit code 0
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again: a no-op then lets s4r end with 0
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()
