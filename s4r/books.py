@@ -1,8 +1,9 @@
 """Public-domain books shipped inside the package, plus any a user adds with ``$S4R_BOOKS_DIR``.
 
 Two Project Gutenberg texts ship xz-compressed in ``s4r/data/`` (Pride and Prejudice, Romeo and Juliet;
-each file keeps Gutenberg's header and license), so the README's first command, the tests and
-``s4r bench --quick`` work on a fresh clone with nothing beside it. A folder named by ``$S4R_BOOKS_DIR``
+each file keeps Gutenberg's header and license), beside ``saltmere``, a short invented letter the
+README's first command asks about, so that command, the tests and ``s4r bench --quick`` work on a fresh
+clone or an installed package with nothing beside it. A folder named by ``$S4R_BOOKS_DIR``
 may add more books (``NAME.txt`` or ``NAME.txt.xz``); a book there wins over a shipped one of the same name.
 """
 

@@ -1,4 +1,4 @@
-"""`s4r books`: the public-domain books that ship with s4r (and any $S4R_BOOKS_DIR adds)."""
+"""`s4r books`: the books that ship with s4r (and any $S4R_BOOKS_DIR adds)."""
 
 from __future__ import annotations
 

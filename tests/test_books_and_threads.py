@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lzma
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -25,10 +26,10 @@ def no_books_dir(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_books_ship_inside_the_package(no_books_dir: None) -> None:
     names = [b.name for b in books.list_books()]
-    assert names == ["pride-and-prejudice", "romeo-and-juliet"]
+    assert names == ["pride-and-prejudice", "romeo-and-juliet", "saltmere"]
     for book in books.list_books():
         assert book.shipped and book.path.parent == Path(books.__file__).resolve().parent / "data"
-        assert book.path.name.endswith(".txt.xz")
+        assert book.path.name.endswith(".txt" if book.name == "saltmere" else ".txt.xz")
     text = books.read_book("pride-and-prejudice")
     assert "It is a truth universally acknowledged" in text
     assert "Project Gutenberg License" in text  # the license travels with the text
@@ -38,17 +39,36 @@ def test_books_ship_inside_the_package(no_books_dir: None) -> None:
 
 
 def test_a_wheel_carries_the_books_and_the_profiles(tmp_path: Path) -> None:
-    """`pip install .` (not editable) gets what `--book` and `--model` read: build the wheel, list it."""
+    """`pip install .` (not editable) gets what `--book` and `--model` read: build the wheel, list it.
+    Built from a copy without build outputs: setuptools packs a stale build/lib whatever the globs say."""
     pytest.importorskip("setuptools")
+    source = tmp_path / "source"
+    shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache",
+        "out*"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path), str(REPO_ROOT)], capture_output=True, text=True, timeout=300)
+                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = tmp_path.glob("s4r-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"s4r/data/pride-and-prejudice.txt.xz", "s4r/data/romeo-and-juliet.txt.xz"} <= names
+    assert {"s4r/data/pride-and-prejudice.txt.xz", "s4r/data/romeo-and-juliet.txt.xz",
+            "s4r/data/saltmere.txt", "s4r/data/README.md"} <= names
     shipped = {Path(n).stem for n in names if n.startswith("s4r/profiles/") and n.endswith(".toml")}
     assert shipped == {p.stem for p in (REPO_ROOT / "s4r" / "profiles").glob("*.toml")} and shipped
     assert "s4r_cli/app.py" in names and not any(n.startswith(("research/", "tests/")) for n in names)
+
+
+def test_the_readme_example_ships_and_states_what_command_one_asks(no_books_dir: None) -> None:
+    """`--book saltmere` reads the invented letter from the package; the bakery's name, which the README's
+    first command asks for, is in it; and it is long enough that ratio 5 compresses it (about 3,300
+    tokens: far above the few hundred below which the cache is kept uncompressed)."""
+    book = books.find_book("saltmere")
+    assert book.shipped and book.path == books.SHIPPED_DIR / "saltmere.txt"
+    text = books.book_text("saltmere")
+    assert text.startswith("A Summer in Saltmere") and text.rstrip().endswith("Clara")
+    assert "I have named the shop the Blue Heron" in text
+    assert 2_500 <= len(text.split()) <= 3_200  # 2,793 words: ~3,300 SmolLM2 tokens
+    assert "\n\n" in text and "  " not in text  # paragraphs kept, no layout residue
 
 
 def test_bench_and_offline_read_the_shipped_books(no_books_dir: None) -> None:
@@ -63,7 +83,7 @@ def test_books_dir_adds_books_and_wins(tmp_path: Path, monkeypatch: pytest.Monke
         f.write("my own copy")
     monkeypatch.setenv(books.BOOKS_ENV, str(tmp_path))
     found = {b.name: b for b in books.list_books()}
-    assert set(found) == {"extra", "pride-and-prejudice", "romeo-and-juliet"}
+    assert set(found) == {"extra", "pride-and-prejudice", "romeo-and-juliet", "saltmere"}
     assert not found["extra"].shipped and not found["romeo-and-juliet"].shipped
     assert books.book_body("extra") == "Hello."
     assert books.read_book("romeo-and-juliet") == "my own copy"

@@ -63,8 +63,11 @@ def test_unknown_book_is_bad_input(tmp_path: Path) -> None:
 def test_books_command_lists_the_shipped_books(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["books", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in records] == ["pride-and-prejudice", "romeo-and-juliet"]
-    assert all(r["shipped"] and r["words"] > 20_000 for r in records)
+    assert [r["name"] for r in records] == ["pride-and-prejudice", "romeo-and-juliet", "saltmere"]
+    assert all(r["shipped"] for r in records)
+    words = {r["name"]: r["words"] for r in records}
+    assert words["pride-and-prejudice"] > 100_000 and words["romeo-and-juliet"] > 20_000
+    assert 2_500 <= words["saltmere"] <= 3_200
 
 
 # -- threads -------------------------------------------------------------------------------------------------

@@ -3,8 +3,14 @@ the exit codes it documents, the documents it links, and the size of the documen
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from s4r.books import list_books
 from s4r_cli import app
@@ -34,6 +40,27 @@ def test_command_one_prints_the_answer_alone() -> None:
     installs = [step for step in steps if "pip install" in step]
     assert installs and all(" -q" in step and ">/dev/null" in step for step in installs)
     assert steps[-1].startswith("s4r ask ") and "--json" not in steps[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [None, "full"])
+def test_command_one_answers_what_the_readme_says(smollm2: object, method: str | None) -> None:
+    """The `s4r ask` of command 1, run as written (compressed at the default ratio, and with the full cache
+    the README says answers the same): stdout is the answer the README quotes, stderr one notice.
+    (`smollm2` converts the embedded model first, so no first-run download line reaches stderr.)"""
+    first, _ = _first_commands()
+    argv = shlex.split(first.split("&&")[-1])
+    assert argv[:2] == ["s4r", "ask"]
+    quoted = re.search(r"Command 1 prints the answer alone on stdout, `([^`]+)`", README)
+    assert quoted
+    extra = ["--method", method] if method else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "s4r_cli", *argv[1:], *extra], capture_output=True, text=True,
+                       env=env, timeout=600, cwd=REPO_ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == quoted.group(1)
+    notices = p.stderr.strip().splitlines()
+    assert len(notices) == 1 and "token limit" in notices[0], p.stderr
 
 
 def test_the_linked_documents_exist() -> None:
