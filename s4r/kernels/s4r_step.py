@@ -81,9 +81,10 @@ def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         from s4r.core.subspace import head_blocks
 
         blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous()
-        # fp32 rebuild product: measured 2.4 ms against 66 ms for the same bf16 product (2048 tokens, rank 76,
-        # 192 wide, one thread, torch 2.13 here); keys then equal the eager `rebuild_dtype="float32"` ones
-        rebuild = layer.basis_k.transpose(1, 2).float().contiguous()
+        # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in fp32
+        # where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
+        dtype = layer.rebuild_dtype if jit.native_bf16() else torch.float32
+        rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
         blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
         memo = (layer.basis_k, layer.basis_v, blocks_k.numpy(), rebuild, blocks_v)
         layer._fused_bases = memo
