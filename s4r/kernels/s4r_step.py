@@ -9,6 +9,8 @@ only when the context outgrows them.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -53,17 +55,28 @@ class Scratch:
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._views: dict[str, tuple] = {}  # name -> (shape, dtype, tensor view, numpy view): the last asked
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        size = int(np.prod(shape))
+    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+        hit = self._views.get(name)
+        if hit is not None and hit[0] == shape and hit[1] == dtype:
+            return hit[2], hit[3]
+        size = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < size or buf.dtype != dtype:
             buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
             self._bufs[name] = buf
-        return buf[:size].view(shape)
+        view = buf[:size].view(shape)
+        self._views[name] = (shape, dtype, view, as_numpy(view))
+        return view, self._views[name][3]
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The buffer `name` as a tensor of `shape` (contents left from earlier steps)."""
+        return self._view(name, shape, dtype)[0]
 
     def np(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> np.ndarray:
-        return as_numpy(self.get(name, shape, dtype))
+        """`get` as a numpy view (bf16 as its bits)."""
+        return self._view(name, shape, dtype)[1]
 
 
 def _scratch(layer) -> Scratch:
