@@ -65,7 +65,8 @@ def test_a_method_spec_carries_its_settings_into_the_fork():
 
 
 def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
-    monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
+    monkeypatch.setattr("s4r.bench.decode_speed.book_ids",
+                        lambda tok, n, book=None: [i % 90 + 5 for i in range(n)])
     rows = measure(tiny_loaded(), [900], [("s4r", 2.5)], steps=3, warmup=1, log=lambda m: None)
     assert [(r.method, r.steps) for r in rows] == [("full", 3), ("s4r 2.5", 3), (SDPA_FULL, 3), (PLAIN, 3),
                                                    ("floor: weights float32", 3)]
@@ -75,7 +76,8 @@ def test_measure_gives_one_row_per_fork_relative_to_full(monkeypatch):
 
 
 def test_measure_forks_every_cache_per_decode_step(monkeypatch):
-    monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
+    monkeypatch.setattr("s4r.bench.decode_speed.book_ids",
+                        lambda tok, n, book=None: [i % 90 + 5 for i in range(n)])
     rows = measure(tiny_loaded(), [900], [("s4r", 2.5)], steps=3, warmup=1, log=lambda m: None,
                    decode_steps=("lean-eager", "reference"), reference_rows=False, floor=False)
     assert [r.method for r in rows] == ["full [lean-eager]", "full [reference]", "s4r 2.5 [lean-eager]",
@@ -86,7 +88,8 @@ def test_measure_forks_every_cache_per_decode_step(monkeypatch):
 
 
 def test_lengths_past_the_prefill_tile_it(monkeypatch):
-    monkeypatch.setattr("s4r.bench.decode_speed.book_ids", lambda tok, n: [i % 90 + 5 for i in range(n)])
+    monkeypatch.setattr("s4r.bench.decode_speed.book_ids",
+                        lambda tok, n, book=None: [i % 90 + 5 for i in range(n)])
     with torch.inference_mode():
         staged = staged_cache(tiny_model("llama"), [i % 90 + 5 for i in range(900)], chunk_size=128)
     long = tiled(staged, 2000)

@@ -140,3 +140,62 @@ def test_the_eager_setting_and_a_missing_numba_run_the_eager_path(monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="s4r.kernels"):
         assert not usable(layer, query) and not usable(layer, query)
     assert len([r for r in caplog.records if "eager path" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("n", [1, 511, 512, 513, 1300])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_latent_logits_kernel_is_the_integer_product(n, groups):
+    """Every token's int8 logit over tile edges, chunk bounds, an offset and per-head groups."""
+    from s4r.kernels.jit import as_numpy
+    from s4r.kernels.latent_scoring import latent_logits
+
+    g = torch.Generator().manual_seed(n)
+    rows, lead, chunks, off = 3, 22, 2, 5
+    q8 = torch.randint(-127, 128, (chunks, 3 * rows, lead), generator=g, dtype=torch.int8)
+    qscale = torch.rand(chunks, 3 * rows, generator=g)
+    ck = torch.randint(-127, 128, (groups, lead, n + 40), generator=g, dtype=torch.int8)  # spare capacity
+    sk = torch.rand(groups, n + 40, generator=g).to(torch.bfloat16)
+    bounds = torch.tensor([0, n // 3, n])
+    logits = torch.full((3 * rows, off + n), float("nan"))
+    latent_logits(q8.numpy(), qscale.numpy(), bounds.numpy(), ck.numpy(), as_numpy(sk), n, rows,
+                  logits.numpy(), off)
+    chunk_of = (torch.arange(n) >= n // 3).long()
+    group_of = torch.arange(3 * rows) // rows if groups > 1 else torch.zeros(3 * rows, dtype=torch.long)
+    dots = torch.einsum("crj,rjt->crt", q8.double(), ck[group_of, :, :n].double())  # [C, R, n]
+    want = dots.gather(0, chunk_of.expand(3 * rows, n).unsqueeze(0))[0]
+    want = want * qscale.double()[chunk_of].T * sk[group_of, :n].double()
+    torch.testing.assert_close(logits[:, off:].double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("token_last", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((2, 8),), ((8, 4), (4, 8)), ()])
+def test_decode_rows_kernel_is_the_band_decoder(token_last, dtype, tails):
+    """Selected coefficient rows (lead band times scale, then every lower band) as `decode_tails`
+    decodes them, rounded once to the output dtype; rows past the selection zeroed."""
+    from s4r.core.band_plan import BandPlan
+    from s4r.core.coef_bands import decode_tails
+    from s4r.core.quantize import pack_bits
+    from s4r.kernels.jit import as_numpy
+    from s4r.kernels.sparse_attention import decode_rows
+
+    g = torch.Generator().manual_seed(len(tails))
+    groups, n, lead, k = 2, 300, 12, 37
+    plan = BandPlan(lead, tails)
+    codes = [pack_bits(torch.randint(0, 1 << b, (groups, n, w), generator=g), b) for b, w in tails]
+    tail_codes = torch.cat(codes, -1) if codes else torch.zeros(groups, n, 0, dtype=torch.uint8)
+    tail_steps = torch.rand(groups, n, max(len(tails), 1), generator=g).to(torch.bfloat16)
+    lead_codes = torch.randint(-127, 128, (groups, n, lead), generator=g, dtype=torch.int8)
+    scale = torch.rand(groups, n, generator=g).to(torch.bfloat16)
+    idx = torch.randperm(n, generator=g)[:k]
+    stored = lead_codes.transpose(1, 2).contiguous() if token_last else lead_codes
+    out = torch.full((groups, k + 11, plan.rank), 7.0, dtype=dtype)
+    bits = torch.tensor([b for b, _ in tails], dtype=torch.int64)
+    widths = torch.tensor([w for _, w in tails], dtype=torch.int64)
+    decode_rows(idx.numpy(), k, stored.numpy(), as_numpy(scale), tail_codes.numpy(), as_numpy(tail_steps),
+                bits.numpy(), widths.numpy(), token_last, as_numpy(out))
+    want = lead_codes[:, idx].float() * scale[:, idx, None].float()
+    if tails:
+        want = torch.cat([want, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)
+    torch.testing.assert_close(out[:, :k], want.to(dtype), rtol=0, atol=0)
+    assert (out[:, k:] == 0).all()

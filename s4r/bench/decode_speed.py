@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from s4r.bench.config import parse_lengths
 from s4r.bench.speed import teacher_force
 from s4r.bench.weights_floor import WeightsFloor, lean_matrices, model_matrices
+from s4r.books import BookNotFoundError, load_book
 from s4r.core.budget import KVShape
 from s4r.core.rope import model_rope_fn
 from s4r.hf.attention import causal_attention, handoff_plain, install
@@ -194,17 +195,16 @@ def weights_floors(model, decode_steps: Sequence[str]) -> list[WeightsFloor]:
     return list(floors.values())
 
 
-def book_ids(tokenizer, tokens: int) -> list[int]:
-    """`tokens` token ids of the default book, repeated past its end (timing needs no natural text)."""
-    from s4r.books import load_book
-
-    ids = tokenizer.encode(load_book(), add_special_tokens=False)
+def book_ids(tokenizer, tokens: int, book: str | None = None) -> list[int]:
+    """`tokens` token ids of `book` (default: the default book), repeated past its end (timing needs no
+    natural text)."""
+    ids = tokenizer.encode(load_book() if book is None else load_book(book), add_special_tokens=False)
     return (ids * (tokens // len(ids) + 1))[:tokens]
 
 
 def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: int, warmup: int,
             log=print, prefill_tokens: int | None = None, decode_steps: Sequence[str] = ("lean",),
-            reference_rows: bool = True, floor: bool = True) -> list[SpeedRow]:
+            reference_rows: bool = True, floor: bool = True, book: str | None = None) -> list[SpeedRow]:
     """The speed table's rows: per length one prefill (or, past `prefill_tokens`, that prefill tiled to
     the length), the forks, one interleaved decode loop; with `floor`, after each step of the loop the
     weights-read floor of each matrix dtype (`weights_floors`) is timed too."""
@@ -214,7 +214,7 @@ def measure(loaded, lengths: list[int], combos: list[tuple[str, float]], steps: 
     rows: list[SpeedRow] = []
     prefilled = None
     for length in lengths:
-        ids = book_ids(loaded.tokenizer, length + steps + warmup)
+        ids = book_ids(loaded.tokenizer, length + steps + warmup, book)
         t0 = time.perf_counter()
         with torch.inference_mode():
             if prefill_tokens and length > prefill_tokens:
@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                         "step, compiled where S4R_COMPILE allows; reference: the model's own forward)")
     parser.add_argument("--no-reference-rows", action="store_true",
                         help="leave out the full (sdpa) and transformers rows (two full caches less memory)")
+    parser.add_argument("--book", default=None, help="the book prefilled (e.g. romeo-and-juliet)")
     parser.add_argument("--no-floor", action="store_true", help="leave out the weights-read floor rows")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
@@ -342,13 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         for spec, ratio in combos:
             name, overrides = method_spec(spec)
             make_method(name, ratio, overrides or None)
-    except ValueError as exc:  # a typo should not wait for the model and the prefill
+        if args.book is not None:
+            load_book(args.book)
+    except (ValueError, BookNotFoundError) as exc:  # a typo should not wait for the model and the prefill
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     rows = measure(loaded, lengths, combos, args.steps, args.warmup, log=lambda m: print(m, file=sys.stderr),
                    prefill_tokens=args.prefill, decode_steps=decode_steps,
-                   reference_rows=not args.no_reference_rows, floor=not args.no_floor)
+                   reference_rows=not args.no_reference_rows, floor=not args.no_floor, book=args.book)
     seconds = time.perf_counter() - t0
     print(markdown(rows))
     if args.json:

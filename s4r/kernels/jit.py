@@ -27,7 +27,7 @@ except Exception as exc:  # pragma: no cover - exercised where numba is absent
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-_state = {"warned": False, "failed": False}
+_state: dict[str, bool] = {"warned": False, "failed": False}
 # reassociation lets sums vectorize; no `arcp` (a division must round as torch's does, e.g. the int8
 # quantization of a query) and no `ninf`/`nnan` (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz"}
@@ -68,6 +68,19 @@ def inline(fn: Callable) -> Callable:
     if numba is None:
         return fn
     return numba.njit(cache=True, fastmath=FASTMATH, inline="always", error_model="numpy")(fn)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), where oneDNN's bf16 products
+    outrun its fp32 ones; without them (AVX2) they run tens of times slower (BENCHMARKS.md, decode speed)."""
+    if "native_bf16" not in _state:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            flags = []
+        _state["native_bf16"] = "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(_state["native_bf16"])
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

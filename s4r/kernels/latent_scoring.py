@@ -84,7 +84,9 @@ def exact_logits(q, ek, e, scaling, out):
 def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
     """Logits logits[r, off + t] of every stored token t < n from the int8 lead band ck [G, lead, >=n]
     (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
-    G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows)."""
+    G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows).
+    Inner loops index slices from 0: numba wraps negative indices, and that check on `band[t0 + t]`
+    keeps LLVM from vectorizing the loop (BENCHMARKS.md, decode speed)."""
     chunks, nrows, lead = q8.shape[0], q8.shape[1], q8.shape[2]
     groups = ck.shape[0]
     acc = np.empty(TILE, np.int32)
@@ -99,12 +101,13 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
                     acc[t] = 0
                 for j in range(lead):
                     qv = np.int32(q8[c, r, j])
-                    band = ck[g, j]
+                    band = ck[g, j, t0:t1]
                     for t in range(w):
-                        acc[t] += qv * np.int32(band[t0 + t])
+                        acc[t] += qv * np.int32(band[t])
                 s = qscale[c, r]
+                dst, scales = logits[r, off + t0 : off + t1], sk[g, t0:t1]
                 for t in range(w):
-                    logits[r, off + t0 + t] = (np.float32(acc[t]) * s) * as_f32(sk[g, t0 + t])
+                    dst[t] = (np.float32(acc[t]) * s) * as_f32(scales[t])
 
 
 @kernel
@@ -119,27 +122,28 @@ def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsu
     for i in range(n_out):
         keep[out_idx[i]] = 0.0
     for r in range(nrows):
+        lr, er = logits[r, off : off + n], el[r]
         for i in range(n_out):
-            logits[r, off + out_idx[i]] = el[r, sinks + i]
+            lr[out_idx[i]] = er[sinks + i]
         m = np.float32(-np.inf)
         for t in range(n):
-            m = max(m, logits[r, off + t])
+            m = max(m, lr[t])
         for t in range(sinks):
-            m = max(m, el[r, t])
+            m = max(m, er[t])
         for t in range(sinks + n_out, e):
-            m = max(m, el[r, t])
+            m = max(m, er[t])
         part = np.float32(0.0)
         total = np.float32(0.0)
         for t in range(cand):
-            p = fast_exp(logits[r, off + t] - m)
+            p = fast_exp(lr[t] - m)
             total += p
             part += p * keep[t]
         for t in range(cand, n):
-            total += fast_exp(logits[r, off + t] - m)
+            total += fast_exp(lr[t] - m)
         for t in range(sinks):
-            total += fast_exp(el[r, t] - m)
+            total += fast_exp(er[t] - m)
         for t in range(sinks + n_out, e):
-            total += fast_exp(el[r, t] - m)
+            total += fast_exp(er[t] - m)
         rowmax[r], rowsum[r], candsum[r] = m, total, part
 
 
@@ -152,17 +156,19 @@ def pooled_relevance(logits, off, n, lse, pool, out_idx, n_out, work, scores):
     for t in range(pad):
         work[t] = -np.inf
         work[pad + n + t] = -np.inf
+    inner, first = work[pad : pad + n], logits[0, off : off + n]
     for t in range(n):
-        work[pad + t] = logits[0, off + t] - lse[0]
+        inner[t] = first[t] - lse[0]
     for r in range(1, nrows):
-        lr = lse[r]
+        lr, row = lse[r], logits[r, off : off + n]
         for t in range(n):
-            work[pad + t] = max(work[pad + t], logits[r, off + t] - lr)
+            inner[t] = max(inner[t], row[t] - lr)
+    dst = scores[off : off + n]
     for t in range(n):
         best = work[t]
         for j in range(1, pool):
             best = max(best, work[t + j])
-        scores[off + t] = best
+        dst[t] = best
     for i in range(n_out):
         scores[off + out_idx[i]] = -np.inf
 

@@ -9,6 +9,8 @@ only when the context outgrows them.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -53,17 +55,28 @@ class Scratch:
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._views: dict[str, tuple] = {}  # name -> (shape, dtype, tensor view, numpy view): the last asked
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        size = int(np.prod(shape))
+    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+        hit = self._views.get(name)
+        if hit is not None and hit[0] == shape and hit[1] == dtype:
+            return hit[2], hit[3]
+        size = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < size or buf.dtype != dtype:
             buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
             self._bufs[name] = buf
-        return buf[:size].view(shape)
+        view = buf[:size].view(shape)
+        self._views[name] = (shape, dtype, view, as_numpy(view))
+        return view, self._views[name][3]
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The buffer `name` as a tensor of `shape` (contents left from earlier steps)."""
+        return self._view(name, shape, dtype)[0]
 
     def np(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> np.ndarray:
-        return as_numpy(self.get(name, shape, dtype))
+        """`get` as a numpy view (bf16 as its bits)."""
+        return self._view(name, shape, dtype)[1]
 
 
 def _scratch(layer) -> Scratch:
@@ -81,9 +94,10 @@ def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         from s4r.core.subspace import head_blocks
 
         blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous()
-        # fp32 rebuild product: measured 2.4 ms against 66 ms for the same bf16 product (2048 tokens, rank 76,
-        # 192 wide, one thread, torch 2.13 here); keys then equal the eager `rebuild_dtype="float32"` ones
-        rebuild = layer.basis_k.transpose(1, 2).float().contiguous()
+        # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in fp32
+        # where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
+        dtype = layer.rebuild_dtype if jit.native_bf16() else torch.float32
+        rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
         blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
         memo = (layer.basis_k, layer.basis_v, blocks_k.numpy(), rebuild, blocks_v)
         layer._fused_bases = memo
