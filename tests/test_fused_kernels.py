@@ -95,6 +95,73 @@ def test_fused_step_is_the_eager_step(name, heads):
     assert layer.rebuilt_tokens == twin.rebuilt_tokens and layer.scored_tokens == twin.scored_tokens
 
 
+@pytest.mark.parametrize("name", ["pre-rope", "per-head-bases", "post-rope"])
+def test_fused_step_in_blocks_is_the_eager_step(name, monkeypatch):
+    """The selected tokens rebuilt and combined a block at a time (blocks of 64: three and a partial one)."""
+    from s4r.kernels import s4r_step
+
+    monkeypatch.setattr(s4r_step, "BLOCK", 64)
+    cfg = CONFIGS[name]
+    keys, values, queries = kv_data(3, 9, 700, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
+    fused, eager, twin = step_both(layer, 9, 3, torch.float32)
+    assert layer.selected.shape[-1] > 3 * 64
+    assert selected_sets(layer) == selected_sets(twin)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+def reference_choice(scores, k, k_max, forced, drop, budget, logits, lse, candmass):
+    """`choose_tokens` as its docstring says, in plain numpy: rank the candidates by score (ties: lower
+    index first), keep the top k, or with the budget the shortest prefix of the top k_max that leaves
+    every row at most `drop` of its candidate mass outside (at least k), then the forced tail."""
+    import numpy as np
+
+    n = scores.shape[0]
+    forced = min(forced, n)
+    cand = n - forced
+    order = sorted(range(cand), key=lambda t: (-float(scores[t]), t))
+    if budget and k_max > k:
+        top = order[: min(k_max, cand)]
+        need = 0
+        for r in range(logits.shape[0]):
+            kept = np.cumsum(np.exp(logits[r, top].astype(np.float64) - float(lse[r])))
+            outside = float(candmass[r]) - kept > drop
+            need = max(need, int(outside.sum()) + 1)
+        chosen = top[: min(max(need, min(k, len(top))), len(top))]
+    else:
+        chosen = order[: min(k, cand)]
+    return sorted(chosen) + list(range(cand, n))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_tokens_kernel_is_the_ranked_selection(seed):
+    """The partial top-k, ties by index, the adaptive budget and the forced tail, in index order."""
+    import numpy as np
+
+    from s4r.kernels.token_selection import choose_tokens
+
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        n, rows = int(rng.integers(1, 300)), int(rng.integers(1, 10))
+        logits = (rng.standard_normal((rows, n)) * rng.uniform(0.5, 6)).astype(np.float32)
+        if seed % 2:
+            logits = np.round(logits)  # runs of equal scores
+        lse = np.log(np.exp(logits.astype(np.float64)).sum(1)).astype(np.float32)
+        forced = int(rng.integers(0, 12))
+        candmass = np.exp(logits[:, : max(n - forced, 0)] - lse[:, None]).sum(1).astype(np.float32)
+        scores = (logits.max(0) - lse.max()).astype(np.float32)
+        k = int(rng.integers(0, n + 1))
+        k_max = int(rng.integers(k, n + 1))
+        drop = float(rng.choice([0.01, 0.05, 0.3]))
+        for budget in (True, False):
+            picked = np.full(n, -1, np.int64)
+            work = np.zeros(2 * n, np.float32)
+            count = choose_tokens(scores, n, k, k_max, forced, np.float32(drop), budget, logits, lse,
+                                  candmass, work, picked)
+            want = reference_choice(scores, k, k_max, forced, drop, budget, logits, lse, candmass)
+            assert picked[:count].tolist() == want
+
+
 @pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
 def test_fused_step_over_segments_is_the_eager_step(key_space):
     q_heads, kv_heads = 9, 3

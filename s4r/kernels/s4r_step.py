@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from s4r.core.rope import angle_rows, chunk_rotations
+from s4r.core.rope import angle_rows, chunk_rotations, last_answer
 from s4r.kernels import jit
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
@@ -34,6 +34,8 @@ from s4r.kernels.sparse_attention import (
 from s4r.kernels.token_selection import choose_tokens
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
+BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
+_NO_OUTLIERS = np.zeros(0, np.int32)
 
 
 def usable(layer, query: torch.Tensor) -> bool:
@@ -51,24 +53,31 @@ def usable(layer, query: torch.Tensor) -> bool:
 
 
 class Scratch:
-    """Named buffers of one layer, reused from step to step and regrown when a shape outgrows them."""
+    """Named buffers of one layer, reused from step to step and regrown when a shape outgrows them; each
+    name keeps the views of its last few shapes, so the shapes a step alternates between cost nothing."""
+
+    SHAPES = 8  # views kept per name (a name asked at a new shape every step keeps only its latest)
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
-        self._views: dict[str, tuple] = {}  # name -> (shape, dtype, tensor view, numpy view): the last asked
+        self._views: dict[str, dict[tuple, tuple[torch.Tensor, np.ndarray]]] = {}
 
     def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
-        hit = self._views.get(name)
-        if hit is not None and hit[0] == shape and hit[1] == dtype:
-            return hit[2], hit[3]
+        views = self._views.setdefault(name, {})
+        hit = views.get((shape, dtype))
+        if hit is not None:
+            return hit
         size = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < size or buf.dtype != dtype:
             buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
             self._bufs[name] = buf
+            views.clear()
+        if len(views) >= self.SHAPES:
+            views.clear()
         view = buf[:size].view(shape)
-        self._views[name] = (shape, dtype, view, as_numpy(view))
-        return view, self._views[name][3]
+        hit = views[(shape, dtype)] = (view, as_numpy(view))
+        return hit
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The buffer `name` as a tensor of `shape` (contents left from earlier steps)."""
@@ -104,10 +113,18 @@ def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     return memo[2], memo[3], memo[4]
 
 
-def _band_arrays(plan) -> tuple[np.ndarray, np.ndarray]:
-    bits = np.array([b for b, _ in plan.tails], dtype=np.int64)
-    widths = np.array([w for _, w in plan.tails], dtype=np.int64)
-    return bits, widths
+def _band_arrays(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(bits, widths) of the layer's lower key or value bands as the kernels take them, kept while the
+    plan is the same."""
+    plan = layer.plan_k if keys else layer.plan_v
+    name = "_fused_bands_k" if keys else "_fused_bands_v"
+    memo = getattr(layer, name, None)
+    if memo is None or memo[0] is not plan:
+        bits = np.array([b for b, _ in plan.tails], dtype=np.int64)
+        widths = np.array([w for _, w in plan.tails], dtype=np.int64)
+        memo = (plan, bits, widths)
+        setattr(layer, name, memo)
+    return memo[1], memo[2]
 
 
 def _tails(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -124,16 +141,24 @@ def _rotations(layer, n: int, d: int):
         return (False, np.ones(d, np.float32), np.zeros(d, np.float32), np.ones((1, d), np.float32),
                 np.zeros((1, d), np.float32), np.array([0, n], dtype=np.int64))
     end = layer.logical if layer.query_end is None else layer.query_end
-    cos_q, sin_q = layer._query_angles(end, 1, torch.device("cpu"))
-    cos_q, sin_q = cos_q[0].float().numpy(), sin_q[0].float().numpy()
-    rotations = None
-    if layer.cfg.rope_scoring == "expected":
-        rotations = chunk_rotations(layer.rope, n, layer.cfg.rope_chunk or n, end - 1 - layer.sinks)
-    if rotations is None:
-        return (True, cos_q, sin_q, np.ones((1, d), np.float32), np.zeros((1, d), np.float32),
-                np.array([0, n], dtype=np.int64))
-    bounds, cos, sin = rotations
-    return True, cos_q, sin_q, cos.numpy(), sin.numpy(), np.asarray(bounds, dtype=np.int64)
+    expected = layer.cfg.rope_scoring == "expected"
+    chunk = layer.cfg.rope_chunk or n
+
+    def compute() -> tuple:
+        cos_q, sin_q = layer._query_angles(end, 1, torch.device("cpu"))
+        cos_q, sin_q = cos_q[0].float().numpy(), sin_q[0].float().numpy()
+        rotations = chunk_rotations(layer.rope, n, chunk, end - 1 - layer.sinks) if expected else None
+        if rotations is None:
+            return (True, cos_q, sin_q, np.ones((1, d), np.float32), np.zeros((1, d), np.float32),
+                    np.array([0, n], dtype=np.int64))
+        bounds, cos, sin = rotations
+        return True, cos_q, sin_q, cos.numpy(), sin.numpy(), np.asarray(bounds, dtype=np.int64)
+
+    if not hasattr(layer.rope, "rotary"):  # frequencies that may change: no memo
+        return compute()
+    # every layer of a step asks the same: the numpy tables are kept once on the shared rope
+    key = (end, n, d, chunk, expected, layer.sinks, layer.dtype)
+    return last_answer(layer.rope, "fused_rotation_memo", key, compute)
 
 
 class _Part:
@@ -178,7 +203,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
         el = scratch.np("el", (nrows, e))
         exact_logits(q, as_numpy(seg._ek), e, scaling, el)
         latent_logits(q8, qscale, bounds, as_numpy(seg._ck), as_numpy(seg._sk), n, rows, logits, off)
-        out_idx = np.zeros(0, np.int32) if seg.out_idx is None else seg.out_idx.numpy()
+        out_idx = _NO_OUTLIERS if seg.out_idx is None else seg.out_idx.numpy()
         cand = min(max(cand_total - off, 0), n)
         normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, out_idx, cand, rowmax[i], rowsum[i],
                    candsum[i], scratch.np("keep", (n,)))
@@ -187,7 +212,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     combine_normalisers(rowmax, rowsum, candsum, lse, candmass)
     for part in parts:
         seg = part.layer
-        out_idx = np.zeros(0, np.int32) if seg.out_idx is None else seg.out_idx.numpy()
+        out_idx = _NO_OUTLIERS if seg.out_idx is None else seg.out_idx.numpy()
         pool = seg.cfg.pool_kernel
         pooled_relevance(logits, part.off, seg._n, lse, pool, out_idx, seg._n_out,
                          _scratch(seg).np("pool", (seg._n + pool,)), scores)
@@ -196,15 +221,26 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     picked = joint.np("picked", (total_n,), torch.int64)
     drop = last.cfg.recon_drop
     count = choose_tokens(scores, total_n, k, k_max, forced, 0.0 if drop is None else drop, drop is not None,
-                          logits, lse, candmass, joint.np("work", (total_n,)), picked)
+                          logits, lse, candmass, joint.np("work", (2 * total_n,)), picked)
     picked = picked[:count]
     results = []
     for part in parts:
         seg = part.layer
-        mine = picked[(picked >= part.off) & (picked < part.off + seg._n)] - part.off
+        if len(parts) == 1:
+            mine = picked
+        else:
+            mine = picked[(picked >= part.off) & (picked < part.off + seg._n)] - part.off
         results.append(_attend_part(part, mine, qf, logits, scaling, rows))
         seg.fold_buffer()
     return results
+
+
+def _blocks(k: int):
+    """(start, end, padded rows) of the selected tokens' blocks: `BLOCK` at a time, the last one's rows
+    rounded up to `BUCKET`, so a few product shapes serve every step."""
+    for start in range(0, k, BLOCK):
+        end = min(k, start + BLOCK)
+        yield start, end, max(BUCKET, -(-(end - start) // BUCKET) * BUCKET)
 
 
 def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndarray, scaling: float,
@@ -217,31 +253,34 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
     seg.rebuilt_tokens += k
     seg.scored_tokens += seg._n
     idx = np.ascontiguousarray(idx)
-    kpad = max(BUCKET, -(-k // BUCKET) * BUCKET)
     scratch = _scratch(seg)
     _, rebuild_t, blocks_v = _bases(seg)
-    sel = scratch.np(f"sel{kpad}", (nrows, kpad))
+    sel = scratch.np("sel", (nrows, max(BUCKET, -(-k // BUCKET) * BUCKET)))
     e = seg.exact_length
     if seg.cfg.key_space == "pre_rope":
+        # rebuilt a block at a time, so each block's keys are still in cache when they are rotated
         groups, rk, width = rebuild_t.shape
-        coefs = scratch.get(f"coefs{kpad}", (groups, kpad, rk), rebuild_t.dtype)
-        bits, widths = _band_arrays(seg.plan_k)
+        bits, widths = _band_arrays(seg, keys=True)
         tk, tsk = _tails(seg, keys=True)
-        decode_rows(idx, k, as_numpy(seg._ck), as_numpy(seg._sk), tk, tsk, bits, widths, True,
-                    as_numpy(coefs))
-        keys = scratch.get(f"keys{kpad}", (groups, kpad, width), rebuild_t.dtype)
-        if groups == 1:  # one 2-D product: a batched bf16 product with `out` takes a path ~10x slower
-            torch.matmul(coefs[0], rebuild_t[0], out=keys[0])
-        else:
-            torch.matmul(coefs, rebuild_t, out=keys)
+        ck, sk = as_numpy(seg._ck), as_numpy(seg._sk)
         offset = getattr(seg.rope, "offset", 0)
         angles = angle_rows(seg.rope.rotary, seg.sinks + seg._n + offset).numpy()
-        rotated_key_logits(qf.numpy(), as_numpy(keys), idx, k, seg.sinks + offset, angles, scaling, sel)
+        q = qf.numpy()
+        for start, end, pad in _blocks(k):
+            coefs, coefs_np = scratch._view("coefs", (groups, pad, rk), rebuild_t.dtype)
+            decode_rows(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, True, coefs_np)
+            keys, keys_np = scratch._view("keys", (groups, pad, width), rebuild_t.dtype)
+            if groups == 1:  # one 2-D product: a batched bf16 product with `out` takes a path ~10x slower
+                torch.matmul(coefs[0], rebuild_t[0], out=keys[0])
+            else:
+                torch.matmul(coefs, rebuild_t, out=keys)
+            rotated_key_logits(q, keys_np, idx[start:end], end - start, seg.sinks + offset, angles, scaling,
+                               sel[:, start:end])
     else:
         lead = seg.plan_k.lead
         qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - lead))
         np.multiply(part.qfull[:, lead:], np.float32(scaling), out=qtail)
-        bits, widths = _band_arrays(seg.plan_k)
+        bits, widths = _band_arrays(seg, keys=True)
         tk, tsk = _tails(seg, keys=True)
         latent_key_logits(logits, part.off, idx, k, qtail, tk, tsk, bits, widths, rows, sel)
     out = torch.empty(heads, rows, d)
@@ -249,17 +288,25 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
     softmax_exact_values(part.el, e, sel, k, as_numpy(seg._ev), out.numpy(), lse.view(-1).numpy())
     if k:
         groups_v, rv = seg._cv.shape[0], blocks_v.shape[1]
-        values = scratch.get(f"values{kpad}", (groups_v, kpad, rv))
-        bits, widths = _band_arrays(seg.plan_v)
+        bits, widths = _band_arrays(seg, keys=False)
         tv, tsv = _tails(seg, keys=False)
-        decode_rows(idx, k, as_numpy(seg._cv), as_numpy(seg._sv), tv, tsv, bits, widths, False,
-                    values.numpy())
-        probs = torch.from_numpy(sel)[:, :k]
-        if groups_v == 1:
-            z = torch.matmul(probs, values[0, :k]).view(heads, rows, rv)
-        else:
-            z = torch.bmm(probs.view(heads, rows, k), values[:, :k])
-        out.baddbmm_(z, blocks_v)
+        cv, sv = as_numpy(seg._cv), as_numpy(seg._sv)
+        probs = torch.from_numpy(sel)
+        z = scratch.get("z", (groups_v, nrows // groups_v, rv))
+        for start, end, pad in _blocks(k):
+            values, values_np = scratch._view("values", (groups_v, pad, rv), torch.float32)
+            decode_rows(idx[start:end], end - start, cv, sv, tv, tsv, bits, widths, False, values_np)
+            block = probs[:, start:end]
+            if groups_v == 1:
+                if start:
+                    z[0].addmm_(block, values[0, : end - start])
+                else:
+                    torch.matmul(block, values[0, : end - start], out=z[0])
+            elif start:
+                z.baddbmm_(block.view(heads, rows, end - start), values[:, : end - start])
+            else:
+                torch.bmm(block.view(heads, rows, end - start), values[:, : end - start], out=z)
+        out.baddbmm_(z.view(heads, rows, rv), blocks_v)
     return out, lse
 
 

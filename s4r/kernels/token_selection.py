@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from s4r.kernels.jit import fast_exp, kernel
+from s4r.kernels.jit import f32_as_u32, fast_exp, inline, kernel
 
 
 @kernel
@@ -41,14 +41,74 @@ def _kth_largest(vals, count, kth):
     return vals[kth]
 
 
+@inline
+def _rank_best_first(scores, picked, count, work):
+    """picked[:count] reordered by descending score, ties by ascending index, as one sort of 64-bit keys
+    (the score's bits made to order as unsigned integers, inverted, above the index). work: >= 2 * count
+    float32 scratch, reused as the keys' storage."""
+    keys = work[: 2 * count].view(np.uint64)
+    sign = np.uint32(0x80000000)
+    for j in range(count):
+        bits = f32_as_u32(scores[picked[j]])
+        ordered = ~bits if bits & sign else bits | sign  # ascending with the float
+        keys[j] = (np.uint64(~ordered) << np.uint64(32)) | np.uint64(picked[j])
+    keys.sort()
+    for j in range(count):
+        picked[j] = np.int64(keys[j] & np.uint64(0xFFFFFFFF))
+
+
+@inline
+def _budget_count(logits, lse, candmass, picked, count, drop):
+    """The shortest prefix of picked[:count] (ranked best first) that leaves no query row more than `drop`
+    of its candidate mass candmass[r] outside, plus one: each row's running mass grows with the prefix,
+    so a row's scan ends at the first prefix that holds enough, and a row the longest prefix so far
+    already satisfies is checked with one sum."""
+    need = 0
+    for r in range(logits.shape[0]):
+        if need > count:
+            break
+        row, top, mass = logits[r], lse[r], candmass[r]
+        kept = np.float32(0.0)
+        start = 0
+        if need > 0:
+            for j in range(need):
+                kept += fast_exp(row[picked[j]] - top)
+            if not mass - kept > drop:
+                continue
+            start = need
+        left = count
+        for j in range(start, count):
+            kept += fast_exp(row[picked[j]] - top)
+            if not mass - kept > drop:
+                left = j
+                break
+        need = max(need, left + 1)
+    return need
+
+
+@inline
+def _index_order(picked, count, cand, work):
+    """picked[:count] (distinct, each < cand) in ascending order, by marking them in work[:cand] and one
+    sweep: the rebuild then reads the stored bands front to back."""
+    for t in range(cand):
+        work[t] = 0.0
+    for j in range(count):
+        work[picked[j]] = 1.0
+    c = 0
+    for t in range(cand):
+        if work[t] != 0.0:
+            picked[c] = t
+            c += 1
+
+
 @kernel
 def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, candmass, work, picked):
-    """The stored tokens (indices into `scores` [total_n]) a step rebuilds, written to picked; returns
-    their count. Without `budget` (or k_max <= k): the top k of the candidates (all but the last
-    `forced`), then the forced tail. With it: the top k_max ranked best first, of which the smallest
-    prefix, clamped to [k, k_max], that leaves no query row more than `drop` of its attention outside
-    (row r's probabilities exp(logits[r, t] - lse[r]); candmass[r]: its mass on every candidate that is
-    not an outlier); then the forced tail. work: >= total_n float32 scratch."""
+    """The stored tokens (indices into `scores` [total_n]) a step rebuilds, written to picked in
+    ascending order; returns their count. Without `budget` (or k_max <= k): the top k of the candidates
+    (all but the last `forced`), then the forced tail. With it: of the top k_max ranked best first, the
+    smallest prefix, clamped to [k, k_max], that leaves no query row more than `drop` of its attention
+    outside (row r's probabilities exp(logits[r, t] - lse[r]); candmass[r]: its mass on every candidate
+    that is not an outlier); then the forced tail. work: >= 2 * total_n float32 scratch."""
     forced = min(forced, total_n)
     cand = total_n - forced
     use_budget = budget and k_max > k
@@ -70,19 +130,9 @@ def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, 
                 picked[count] = t
                 count += 1
         if use_budget:
-            order = np.argsort(-scores[picked[:count]], kind="mergesort")  # best first, ties by index
-            ranked = picked[:count][order]
-            picked[:count] = ranked
-            need = 0
-            for r in range(logits.shape[0]):
-                kept = np.float32(0.0)
-                left = 0
-                for j in range(count):
-                    kept += fast_exp(logits[r, picked[j]] - lse[r])
-                    if candmass[r] - kept > drop:
-                        left += 1
-                need = max(need, left + 1)
-            count = min(max(need, min(k, count)), count)
+            _rank_best_first(scores, picked, count, work)
+            count = min(max(_budget_count(logits, lse, candmass, picked, count, drop), min(k, count)), count)
+            _index_order(picked, count, cand, work)
     for t in range(cand, total_n):
         picked[count] = t
         count += 1
