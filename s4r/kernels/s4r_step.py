@@ -226,10 +226,9 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     results = []
     for part in parts:
         seg = part.layer
-        if len(parts) == 1:
-            mine = picked
-        else:
-            mine = picked[(picked >= part.off) & (picked < part.off + seg._n)] - part.off
+        # picked is in ascending order: each segment's tokens are one run of it
+        lo, hi = np.searchsorted(picked, (part.off, part.off + seg._n))
+        mine = picked[lo:hi] - part.off if part.off else picked[lo:hi]
         results.append(_attend_part(part, mine, qf, logits, scaling, rows))
         seg.fold_buffer()
     return results
@@ -292,20 +291,15 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
         tv, tsv = _tails(seg, keys=False)
         cv, sv = as_numpy(seg._cv), as_numpy(seg._sv)
         probs = torch.from_numpy(sel)
-        z = scratch.get("z", (groups_v, nrows // groups_v, rv))
+        z = scratch.get("z", (groups_v, nrows // groups_v, rv)).zero_()
         for start, end, pad in _blocks(k):
             values, values_np = scratch._view("values", (groups_v, pad, rv), torch.float32)
             decode_rows(idx[start:end], end - start, cv, sv, tv, tsv, bits, widths, False, values_np)
             block = probs[:, start:end]
             if groups_v == 1:
-                if start:
-                    z[0].addmm_(block, values[0, : end - start])
-                else:
-                    torch.matmul(block, values[0, : end - start], out=z[0])
-            elif start:
-                z.baddbmm_(block.view(heads, rows, end - start), values[:, : end - start])
+                z[0].addmm_(block, values[0, : end - start])
             else:
-                torch.bmm(block.view(heads, rows, end - start), values[:, : end - start], out=z)
+                z.baddbmm_(block.view(heads, rows, end - start), values[:, : end - start])
         out.baddbmm_(z.view(heads, rows, rv), blocks_v)
     return out, lse
 
