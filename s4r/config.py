@@ -101,6 +101,11 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
+    # a step of at least this many queries (a question's prompt, a block of an appended document)
+    # attends every stored token, each rebuilt once for all its rows, instead of the tokens its last
+    # `query_window` queries select (`s4r.layers.lowrank_dense`); 0: always a selection. From two
+    # queries on the rebuild costs less than the selection (BENCHMARKS.md, "Chat over two documents")
+    dense_queries: int = 2
     # how stored tokens are scored for selection, from each query's (and query head's) own attention
     # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over
     # recent queries too (weight halving every `query_window` queries; a relevance per KV head and
@@ -139,6 +144,8 @@ class S4RConfig:
             raise ValueError("give either a ratio or both rank_k and rank_v")
         if not 0.0 < self.key_share < 1.0:
             raise ValueError("key_share must be in (0, 1)")
+        if self.dense_queries < 0:
+            raise ValueError("dense_queries must be >= 0 (0: every step selects)")
         if self.sinks < 0 or self.local_window < 0 or self.query_window < 1:
             raise ValueError("sinks and local_window must be >= 0, query_window >= 1")
         if self.sample_tokens is not None and self.sample_tokens < 1:

@@ -172,8 +172,10 @@ def test_a_layer_with_a_drop_bound_rebuilds_more_tokens_for_flat_attention():
 def test_the_drop_bound_stops_at_its_ceiling_for_a_chunk_too():
     """The budget grows up to `recon_max`, by default twice the storage fraction (2/ratio)."""
     layer, _, _, query = planted_layer({0: 123, 1: 123}, shared=True)
-    layer.cfg = dataclasses.replace(layer.cfg, scoring="query", recon_drop=0.05, recon_max=0.3)
-    flat_chunk = torch.zeros(1, query.shape[1], 2, DIM)  # two query tokens attending evenly
+    # two query tokens attending evenly, through the selection (a block would attend every token)
+    layer.cfg = dataclasses.replace(layer.cfg, scoring="query", recon_drop=0.05, recon_max=0.3,
+                                    dense_queries=0)
+    flat_chunk = torch.zeros(1, query.shape[1], 2, DIM)
     layer.attend(flat_chunk, None, None, DIM**-0.5)
     assert layer.selected.shape[1] == int(0.3 * layer.stored_coefs)
     assert S4RConfig(ratio=5).recon_ceiling() == 0.4 and S4RConfig(ratio=2.5).recon_ceiling() == 0.8
@@ -185,7 +187,7 @@ def test_the_token_cap_bounds_the_fixed_count_and_the_ceiling():
     flat_chunk = torch.zeros(1, query.shape[1], 2, DIM)
     for drop in (None, 0.05):  # the fixed share, then the budget that grows to its ceiling
         layer.cfg = dataclasses.replace(layer.cfg, scoring="query", recon_drop=drop, recon_fraction=0.5,
-                                        recon_max=0.9, recon_token_cap=40)
+                                        recon_max=0.9, recon_token_cap=40, dense_queries=0)
         layer.attend(flat_chunk, None, None, DIM**-0.5)
         assert layer.selected.shape[1] == 40
         layer.cfg = dataclasses.replace(layer.cfg, recon_token_cap=0)  # no limit

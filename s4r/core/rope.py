@@ -160,14 +160,21 @@ def chunk_rotations(rope: RopeFn, stored: int, chunk: int,
     return last_answer(rope, "chunk_memo", (stored, chunk, last), compute)
 
 
-def last_answer(holder: object, name: str, key: tuple, compute: Callable[[], T]) -> T:
-    """`compute()`, or the answer kept in `holder.name` when it was for the same `key`: what every layer of
-    a decode step asks again (the step's rotations), kept once on the shared rope function."""
-    memo = getattr(holder, name, None)
+def last_answer(rope: object, name: str, key: tuple, compute: Callable[[], T]) -> T:
+    """`compute()`, or the answer kept as `name` when it was for the same `key`: what every layer of a
+    decode step asks again (the step's rotations), kept once on the model's rope function, one answer per
+    segment offset: a segment's `shifted` rope (one per layer) keeps its answer there too, so the layers
+    of a step share it."""
+    holder, offset = getattr(rope, "base", rope), getattr(rope, "offset", 0)
+    memos = getattr(holder, name, None)
+    if memos is None or len(memos) > 16:  # one entry per segment offset
+        memos = {}
+        setattr(holder, name, memos)
+    memo = memos.get(offset)
     if memo is not None and memo[0] == key:
         return memo[1]
     result = compute()
-    setattr(holder, name, (key, result))
+    memos[offset] = (key, result)
     return result
 
 

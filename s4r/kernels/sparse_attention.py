@@ -6,7 +6,8 @@ Reference: `LatentSelection.selected_logits` (pre-RoPE keys: `_model_dtype_key_l
 selected tokens (their coefficients decoded here, the basis product left to one BLAS/oneDNN call) and
 rotated to their positions; the softmax runs once over sinks + outliers + buffer + selected tokens;
 values are combined in the latent space (probability-weighted coefficient rows, one product with the
-value basis at the end).
+value basis at the end). A block of queries that attends every stored token rebuilds them all with
+`decode_rows` and `rotate_rows` (`s4r.layers.lowrank_dense`).
 """
 
 from __future__ import annotations
@@ -189,3 +190,20 @@ def softmax_exact_values(el, e, sel, k, ev, out, lse):
                 for i in range(d):
                     out[h, m, i] += p * as_f32(ev[h, t, i])
             lse[r] = top + np.float32(math.log(total))
+
+
+@kernel
+def rotate_rows(keys, pos0, angles):
+    """Rotate the keys [H, n, d] in place, token j to position pos0 + j, with the angle rows [P, d] (cos
+    of the d/2 pairs, then sin), in fp32, rounded once."""
+    half = keys.shape[2] // 2
+    for h in range(keys.shape[0]):
+        for j in range(keys.shape[1]):
+            ang = angles[pos0 + j]
+            row = keys[h, j]
+            for i in range(half):
+                x1 = as_f32(row[i])
+                x2 = as_f32(row[half + i])
+                c, s = ang[i], ang[half + i]
+                row[i] = stored(x1 * c - x2 * s, keys)
+                row[half + i] = stored(x2 * c + x1 * s, keys)

@@ -29,6 +29,7 @@ from s4r.core.subspace import head_blocks, project, relative_residual
 from s4r.hf.attention import causal_mask, handoff
 from s4r.layers.full import CacheLayer, tensor_bytes, to_groups
 from s4r.layers.growable import cloned, contiguous, grown
+from s4r.layers.lowrank_dense import attend_every_token, attends_every_token, forget_rebuilt
 from s4r.layers.lowrank_selection import LatentSelection
 from s4r.layers.lowrank_views import StoredViews
 
@@ -270,6 +271,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
 
     def attend(self, query, key, value, scaling):
         q_heads, q_len = query.shape[1], query.shape[2]
+        if self._n and attends_every_token(self, q_len):
+            return attend_every_token([self], query, scaling)
+        forget_rebuilt()
         out, _ = self.attend_folded(query, scaling)
         return out.to(query.dtype).reshape(1, q_heads, q_len, self.head_dim)
 
@@ -331,6 +335,7 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
             self.query_coef, self._rel = None, None
 
     def truncate(self, logical: int) -> None:
+        forget_rebuilt()
         self.collecting = False  # an interrupted append is rolled back by this truncation
         logical = max(self.sinks, min(self.logical, logical))
         if logical < self.logical:

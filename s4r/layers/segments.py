@@ -33,6 +33,7 @@ from s4r.errors import BudgetError
 from s4r.hf.attention import handoff
 from s4r.layers.full import CacheLayer
 from s4r.layers.lowrank import LowRankLayer
+from s4r.layers.lowrank_dense import attend_every_token, attends_every_token, forget_rebuilt
 
 if TYPE_CHECKING:
     from s4r.hf.cache import CompressedCache
@@ -93,6 +94,9 @@ class SegmentedLayer(CacheLayer):
     def attend(self, query, key, value, scaling):
         q_heads, q_len = query.shape[1], query.shape[2]
         self._tell_query_end()
+        if attends_every_token(self.last, q_len):
+            return attend_every_token(self.segments, query, scaling)
+        forget_rebuilt()
         if self._global_selection():
             from s4r.kernels.s4r_step import attend_segmented
 
@@ -144,6 +148,7 @@ class SegmentedLayer(CacheLayer):
         self.last.drop_buffer()
 
     def truncate(self, logical: int) -> None:
+        forget_rebuilt()
         logical = max(0, min(self.logical, logical))
         starts = [0]
         for segment in self.segments[:-1]:
