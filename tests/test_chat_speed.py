@@ -56,3 +56,18 @@ def test_documents_are_consecutive_passages_of_the_book():
     one, two = chat_speed.documents(tok, 300, 200, "saltmere")
     start = len(ids) // 4
     assert one == tok.decode(ids[start : start + 300]) and two == tok.decode(ids[start + 300 : start + 500])
+
+
+def test_a_method_carries_its_settings_and_a_bad_one_is_refused_before_loading(monkeypatch, capsys):
+    seen = []
+    real = chat_speed.method_spec
+    monkeypatch.setattr(chat_speed, "method_spec", lambda spec: seen.append(spec) or real(spec))
+    rows = chat_speed.measure(tiny_loaded(), [("s4r+dense_queries=0", 2.5)], DOCS, repeats=1, answer_tokens=2)
+    assert rows[1].name == "s4r+dense_queries=0@2.5" and "s4r+dense_queries=0" in seen
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded for a bad setting")
+
+    monkeypatch.setattr("s4r.models.loading.load_model", no_model)
+    assert chat_speed.main(["--methods", "s4r+no_such_setting=1"]) == 2
+    assert capsys.readouterr().err.startswith("error:")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from s4r.bench.decode_speed import method_spec
 from s4r.books import BookNotFoundError, load_book
 
 QUESTION = "Who is Tybalt, and what does he do?"
@@ -53,10 +54,12 @@ def documents(tokenizer, first: int, second: int, book: str) -> tuple[str, str]:
 
 def one_chat(loaded, method: str, ratio: float, docs: tuple[str, str],
              answer_tokens: int) -> dict[str, float]:
-    """Run the conversation once in a new session: the figures a user would see."""
+    """Run the conversation once in a new session: the figures a user would see. `method` may carry
+    settings (`s4r+dense_queries=0`, as `decode_speed.method_spec` reads them)."""
     from s4r.runtime.session import Session
 
-    session = Session(loaded, method=method, ratio=ratio)
+    name, overrides = method_spec(method)
+    session = Session(loaded, method=name, ratio=ratio, config_overrides=overrides or None)
     session.ingest(docs[0], name="first")
     t0 = time.perf_counter()
     session.ingest(docs[1], name="second")
@@ -100,7 +103,8 @@ def block_sweep(loaded, method: str, ratio: float, docs: tuple[str, str], sizes:
     from s4r.layers import lowrank_dense
     from s4r.runtime.session import Session
 
-    session = Session(loaded, method=method, ratio=ratio)
+    name, overrides = method_spec(method)
+    session = Session(loaded, method=name, ratio=ratio, config_overrides=overrides or None)
     session.ingest(docs[0], name="first")
     session.ingest(docs[1], name="second")
     layer = session.cache.layers[len(session.cache.layers) // 2]
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--book", default="romeo-and-juliet")
     parser.add_argument("--first", type=int, default=1900, help="tokens of the first document")
     parser.add_argument("--second", type=int, default=2100, help="tokens of the document `/read` appends")
-    parser.add_argument("--methods", default="s4r")
+    parser.add_argument("--methods", default="s4r",
+                        help="methods, each optionally with settings: s4r,s4r+dense_queries=0")
     parser.add_argument("--ratios", default="5")
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
@@ -172,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         combos = [(m, float(r)) for m in args.methods.split(",") for r in args.ratios.split(",")]
         sizes = [int(x) for x in args.block_sweep.split(",") if x.strip()]
+        from s4r.methods import make_method
+
+        for spec, ratio in combos:
+            name, overrides = method_spec(spec)
+            make_method(name, ratio, overrides or None)
         load_book(args.book)
     except (ValueError, BookNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
