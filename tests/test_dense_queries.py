@@ -208,3 +208,27 @@ def replace_cfg(layer, **changes):
 def test_negative_dense_queries_is_refused():
     with pytest.raises(ValueError, match="dense_queries"):
         S4RConfig(dense_queries=-1)
+
+
+def test_every_layers_segment_rope_shares_one_answer_per_offset():
+    """`last_answer` keeps a step's rotations on the model's rope: the shifted ropes of one segment (one
+    per layer) share an answer, and another offset never gets it."""
+    from s4r.core.rope import last_answer
+
+    rope = rope_for(Q_HEADS, KV_HEADS)
+    calls = []
+
+    def answer(tag):
+        def compute():
+            calls.append(tag)
+            return tag
+        return compute
+
+    layer_a, layer_b, other = shifted(rope, 600), shifted(rope, 600), shifted(rope, 900)
+    assert last_answer(rope, "test_memo", (1,), answer("base")) == "base"
+    assert last_answer(layer_a, "test_memo", (1,), answer("600")) == "600"
+    assert last_answer(layer_b, "test_memo", (1,), answer("again")) == "600"  # the other layer's rope
+    assert last_answer(other, "test_memo", (1,), answer("900")) == "900"
+    assert last_answer(rope, "test_memo", (1,), answer("base again")) == "base"
+    assert last_answer(layer_a, "test_memo", (2,), answer("600 new step")) == "600 new step"
+    assert calls == ["base", "600", "900", "600 new step"]

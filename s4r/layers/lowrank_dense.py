@@ -62,8 +62,8 @@ def rebuilt(basis: torch.Tensor, rows: torch.Tensor, heads: int) -> torch.Tensor
 
 def layer_tokens_reference(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write the stored tokens of `layer`, rebuilt from their coefficients, into k, v [H, N, d] (its
-    dtype), with torch operations: the reference of `rebuild_fused`. Pre-RoPE
-    keys are rotated to their positions as the model rotates its own (its dtype, its tables)."""
+    dtype), with torch operations: the reference of `rebuild_fused`. Pre-RoPE keys are rotated to their
+    positions as the model rotates its own (its dtype, its tables)."""
     n, s, heads = layer._n, layer.sinks, layer.heads
     work = layer.rebuild_dtype  # a CPU without bf16 products rebuilds in fp32
     rows_k = decoded_rows(layer._ck[..., :n].transpose(1, 2), None if layer._sk is None else layer._sk[:, :n],
