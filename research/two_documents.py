@@ -36,6 +36,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the layer's budget, but bases of its own
     "own-bases": {"segment_bases": "own"},
     "fold": {"segment_tokens": 0},
+    # blocks of queries (document 2's blocks, the questions' prompts) through the selection instead of
+    # attending every stored token
+    "selected-blocks": {"dense_queries": 0},
     # `s4r-fast` (post-RoPE keys), with segments
     "fast-segments": {"key_space": "post_rope", "outlier_fraction": 0.03, "recon_cap": 1.0, "key_share": 0.5},
     # is document 1 lost in what is stored or in which tokens are rebuilt?
