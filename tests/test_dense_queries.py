@@ -232,3 +232,36 @@ def test_every_layers_segment_rope_shares_one_answer_per_offset():
     assert last_answer(rope, "test_memo", (1,), answer("base again")) == "base"
     assert last_answer(layer_a, "test_memo", (2,), answer("600 new step")) == "600 new step"
     assert calls == ["base", "600", "900", "600 new step"]
+
+
+def test_settling_an_appended_text_lets_its_layers_rebuilt_tokens_go():
+    from s4r.core.budget import KVShape
+    from s4r.layers.segments import settle_appended
+
+    layer = compressed(CONFIGS["pre-rope"])
+    layer.collecting = True
+    attend_block(layer, *block(torch.float32))
+    assert lowrank_dense._kept  # held for the text's next block
+    settle_appended(layer, KVShape(layers=1, kv_heads=KV_HEADS, q_heads=Q_HEADS, head_dim=D, dtype_bytes=4))
+    assert not lowrank_dense._kept
+
+
+def test_blocks_that_outgrow_the_kept_buffers_still_reuse_the_rebuilt_tokens(monkeypatch):
+    layer = compressed(CONFIGS["pre-rope"])
+    rebuilds = []
+    stored = lowrank_dense.stored_tokens
+    monkeypatch.setattr(lowrank_dense, "stored_tokens", lambda *a: rebuilds.append(1) or stored(*a))
+    layer.collecting = True
+    capacity = None
+    for seed in range(14):  # 14 blocks of 24: past the room the first block's buffers left (256 rows)
+        args = block(torch.float32, seed=seed)
+        fresh = copy.deepcopy(layer)
+        out = attend_block(layer, *args)
+        capacity = capacity or lowrank_dense._kept[0].k.shape[1]
+        if seed in (0, 13):
+            kept = lowrank_dense._kept[:]
+            lowrank_dense.forget_rebuilt()
+            torch.testing.assert_close(out, attend_block(fresh, *args))
+            lowrank_dense._kept[:] = kept
+    assert lowrank_dense._kept[0].k.shape[1] > capacity  # the buffers grew
+    assert len(rebuilds) == 3  # the first block and the two fresh copies checked: none when they grew

@@ -208,22 +208,27 @@ def forget_rebuilt() -> None:
     _kept.clear()
 
 
-def _buffers(segments: Sequence, total: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Key and value buffers [H, >= total, d] for every token of `segments`, and whether their rows of
-    every token but the last segment's buffer are already filled, kept from the layer's previous block."""
+def _buffers(segments: Sequence, total: int, prefix: int,
+             device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Key and value buffers [H, >= total, d] for every token of `segments`, and whether their first
+    `prefix` rows (every token but the last segment's buffer) are already filled, kept from the layer's
+    previous block (copied into larger buffers when the block outgrew them)."""
     first, last = segments[0], segments[-1]
     # what the rows depend on: each segment's stored tokens, bases and outliers (a fold, a compression
     # or a new segment changes one of them; a truncation forgets the kept rows)
     key = tuple((id(seg), seg._n, seg._n_buf if seg is not last else -1, seg._n_out, id(seg.basis_k),
                  id(seg.basis_v)) for seg in segments)
     held = _kept[0] if _kept else None
-    if held is not None and held.key == key and held.last() is last and held.k.shape[1] >= total:
+    same = held is not None and held.key == key and held.last() is last
+    if same and held.k.shape[1] >= total:
         return held.k, held.v, True
     cap = total + max(total // 4, 256)  # room for the next blocks' tokens
     k = torch.empty(first.heads, cap, first.head_dim, dtype=first.dtype, device=device)
     v = torch.empty_like(k)
+    if same:
+        k[:, :prefix], v[:, :prefix] = held.k[:, :prefix], held.v[:, :prefix]
     _kept[:] = [_Prefix(key, last, k, v)]
-    return k, v, False
+    return k, v, same
 
 
 def attend_every_token(segments: Sequence, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -232,7 +237,7 @@ def attend_every_token(segments: Sequence, query: torch.Tensor, scaling: float) 
     last = segments[-1]
     sizes = [seg.sinks + seg._n + seg._n_buf for seg in segments]
     total = sum(sizes)
-    k, v, filled = _buffers(segments, total, query.device)
+    k, v, filled = _buffers(segments, total, total - last._n_buf, query.device)
     at = 0
     for seg, size in zip(segments, sizes, strict=True):
         stored = seg.sinks + seg._n

@@ -270,6 +270,7 @@ def settle_appended(layer: CacheLayer, shape: KVShape) -> CacheLayer:
     when it is long enough (`S4RConfig.segment_tokens`) and the ratio affords its bases, else folded
     into the current bases; layers of other methods fold their buffer if they have one. Returns the
     layer to keep (a new `SegmentedLayer`, or `layer` itself)."""
+    forget_rebuilt()  # the text's blocks are done: their layer's rebuilt tokens go back
     if not hasattr(layer, "collecting"):
         if hasattr(layer, "fold_buffer"):
             layer.fold_buffer()
