@@ -26,10 +26,14 @@ from s4r.kernels.latent_scoring import (
     project_queries,
 )
 from s4r.kernels.sparse_attention import (
+    band_arrays,
     decode_rows,
     latent_key_logits,
+    rebuild_work_dtype,
     rotated_key_logits,
     softmax_exact_values,
+    storage_fusable,
+    tail_arrays,
 )
 from s4r.kernels.token_selection import choose_tokens
 
@@ -41,15 +45,11 @@ _NO_OUTLIERS = np.zeros(0, np.int32)
 def usable(layer, query: torch.Tensor) -> bool:
     """Whether the fused step computes this layer's attention of `query` [1, Hq, q, d]."""
     cfg = layer.cfg
-    if cfg.kernels == "eager" or query.shape[2] != 1 or query.device.type != "cpu" or not layer._n:
-        return False
-    if layer.dtype not in (torch.bfloat16, torch.float32) or layer._sk is None:
+    if query.shape[2] != 1 or query.device.type != "cpu" or not layer._n:
         return False
     if cfg.scoring != "query" or not cfg.shared_selection or layer.query_coef is not None:
         return False
-    if cfg.key_space == "pre_rope" and not hasattr(layer.rope, "rotary"):
-        return False
-    return jit.available()
+    return storage_fusable(layer)
 
 
 class Scratch:
@@ -105,34 +105,12 @@ def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous()
         # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in fp32
         # where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
-        dtype = layer.rebuild_dtype if jit.native_bf16() else torch.float32
+        dtype = rebuild_work_dtype(layer)
         rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
         blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
         memo = (layer.basis_k, layer.basis_v, blocks_k.numpy(), rebuild, blocks_v)
         layer._fused_bases = memo
     return memo[2], memo[3], memo[4]
-
-
-def _band_arrays(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(bits, widths) of the layer's lower key or value bands as the kernels take them, kept while the
-    plan is the same."""
-    plan = layer.plan_k if keys else layer.plan_v
-    name = "_fused_bands_k" if keys else "_fused_bands_v"
-    memo = getattr(layer, name, None)
-    if memo is None or memo[0] is not plan:
-        bits = np.array([b for b, _ in plan.tails], dtype=np.int64)
-        widths = np.array([w for _, w in plan.tails], dtype=np.int64)
-        memo = (plan, bits, widths)
-        setattr(layer, name, memo)
-    return memo[1], memo[2]
-
-
-def _tails(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
-    codes, steps = (layer._tk, layer._tsk) if keys else (layer._tv, layer._tsv)
-    if codes is None:
-        groups = layer.basis_k.shape[0]
-        return np.zeros((groups, 1, 0), np.uint8), np.zeros((groups, 1, 0), np.float32)
-    return as_numpy(codes), as_numpy(steps)
 
 
 def _rotations(layer, n: int, d: int):
@@ -259,8 +237,8 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
     if seg.cfg.key_space == "pre_rope":
         # rebuilt a block at a time, so each block's keys are still in cache when they are rotated
         groups, rk, width = rebuild_t.shape
-        bits, widths = _band_arrays(seg, keys=True)
-        tk, tsk = _tails(seg, keys=True)
+        bits, widths = band_arrays(seg, keys=True)
+        tk, tsk = tail_arrays(seg, keys=True)
         ck, sk = as_numpy(seg._ck), as_numpy(seg._sk)
         offset = getattr(seg.rope, "offset", 0)
         angles = angle_rows(seg.rope.rotary, seg.sinks + seg._n + offset).numpy()
@@ -279,16 +257,16 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
         lead = seg.plan_k.lead
         qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - lead))
         np.multiply(part.qfull[:, lead:], np.float32(scaling), out=qtail)
-        bits, widths = _band_arrays(seg, keys=True)
-        tk, tsk = _tails(seg, keys=True)
+        bits, widths = band_arrays(seg, keys=True)
+        tk, tsk = tail_arrays(seg, keys=True)
         latent_key_logits(logits, part.off, idx, k, qtail, tk, tsk, bits, widths, rows, sel)
     out = torch.empty(heads, rows, d)
     lse = torch.empty(heads, rows)
     softmax_exact_values(part.el, e, sel, k, as_numpy(seg._ev), out.numpy(), lse.view(-1).numpy())
     if k:
         groups_v, rv = seg._cv.shape[0], blocks_v.shape[1]
-        bits, widths = _band_arrays(seg, keys=False)
-        tv, tsv = _tails(seg, keys=False)
+        bits, widths = band_arrays(seg, keys=False)
+        tv, tsv = tail_arrays(seg, keys=False)
         cv, sv = as_numpy(seg._cv), as_numpy(seg._sv)
         probs = torch.from_numpy(sel)
         z = scratch.get("z", (groups_v, nrows // groups_v, rv)).zero_()

@@ -23,9 +23,15 @@ import torch
 from s4r.core.coef_bands import decode_tails
 from s4r.core.rope import angle_rows, rotate_half
 from s4r.hf.attention import causal_attention
-from s4r.kernels import jit
 from s4r.kernels.jit import as_numpy
-from s4r.kernels.sparse_attention import decode_rows, rotate_rows
+from s4r.kernels.sparse_attention import (
+    band_arrays,
+    decode_rows,
+    rebuild_work_dtype,
+    rotate_rows,
+    storage_fusable,
+    tail_arrays,
+)
 
 
 def attends_every_token(layer, q_len: int) -> bool:
@@ -80,21 +86,8 @@ def layer_tokens_reference(layer, k: torch.Tensor, v: torch.Tensor) -> None:
 
 # --- the fused rebuild (its kernels: `s4r.kernels.sparse_attention`) ---------------------------------
 def fused_usable(layer) -> bool:
-    """Whether `rebuild_fused` applies to `layer` (else the reference runs): a CPU, int8 coefficients,
-    bf16 or fp32 tensors, static rotary frequencies for pre-RoPE keys, the kernels not turned off."""
-    if layer.cfg.kernels == "eager" or layer.basis_k.device.type != "cpu" or layer._sk is None:
-        return False
-    if layer.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if layer.cfg.key_space == "pre_rope" and not hasattr(layer.rope, "rotary"):
-        return False
-    return jit.available()
-
-
-def work_dtype(layer) -> torch.dtype:
-    """The dtype the rebuild multiplies in: the layer's `rebuild_dtype` where the CPU has bf16 products
-    (bf16 in, fp32 accumulated), else fp32 (emulated bf16 products run tens of times slower)."""
-    return layer.rebuild_dtype if jit.native_bf16() else torch.float32
+    """Whether `rebuild_fused` applies to `layer` (else the reference runs)."""
+    return storage_fusable(layer)
 
 
 def _head_blocks(basis: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,25 +109,13 @@ def _rebuild_bases(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     return memo[2], memo[3]
 
 
-def _bands(plan) -> tuple[np.ndarray, np.ndarray]:
-    return (np.array([b for b, _ in plan.tails], dtype=np.int64),
-            np.array([w for _, w in plan.tails], dtype=np.int64))
-
-
 def _decoded(layer, keys: bool, dtype: torch.dtype) -> torch.Tensor:
     """Every stored token's coefficients [G, N, r] in `dtype`, basis column order."""
     n = layer._n
-    if keys:
-        lead, scale, codes, steps, plan = layer._ck, layer._sk, layer._tk, layer._tsk, layer.plan_k
-    else:
-        lead, scale, codes, steps, plan = layer._cv, layer._sv, layer._tv, layer._tsv, layer.plan_v
-    groups = lead.shape[0]
-    if codes is None:
-        codes_np, steps_np = np.zeros((groups, 1, 0), np.uint8), np.zeros((groups, 1, 0), np.float32)
-    else:
-        codes_np, steps_np = as_numpy(codes), as_numpy(steps)
-    bits, widths = _bands(plan)
-    out = torch.empty(groups, n, plan.rank, dtype=dtype)
+    lead, scale, plan = (layer._ck, layer._sk, layer.plan_k) if keys else (layer._cv, layer._sv, layer.plan_v)
+    codes_np, steps_np = tail_arrays(layer, keys)
+    bits, widths = band_arrays(layer, keys)
+    out = torch.empty(lead.shape[0], n, plan.rank, dtype=dtype)
     idx = np.arange(n, dtype=np.int64)
     decode_rows(idx, n, as_numpy(lead), as_numpy(scale), codes_np, steps_np, bits, widths, keys,
                 as_numpy(out))
@@ -155,7 +136,7 @@ def _product(coefs: torch.Tensor, blocks: torch.Tensor, dst: torch.Tensor) -> No
 def rebuild_fused(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write `layer`'s stored tokens, rebuilt, into k, v [H, N, d] (the layer's dtype, each head's rows
     contiguous): keys rotated to their positions where they are stored before RoPE."""
-    dtype = work_dtype(layer)
+    dtype = rebuild_work_dtype(layer)
     basis_kt, basis_vt = _rebuild_bases(layer, dtype)
     pre_rope = layer.cfg.key_space == "pre_rope"
     # rotated in a contiguous copy: numba's loops over a strided view do not vectorize (10x slower)
