@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from s4r.bench.decode_speed import book_ids, staged_cache
+from s4r.bench.decode_speed import book_ids, method_spec, staged_cache
 from s4r.bench.floors import full_floor, s4r_floor
 from s4r.config import S4RConfig
 from s4r.core.budget import solve_ranks
@@ -45,16 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.profile_kernels",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=7600)
-    parser.add_argument("--specs", default="s4r@5,s4r-fast@5,s4r@2.5")
+    parser.add_argument("--specs", default="s4r@5,s4r-fast@5,s4r@2.5",
+                        help="method@ratio, each method optionally with settings: s4r+granularity=head@5")
     parser.add_argument("--layers", default="5,15,25")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--book", default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="bf16", help="model dtype: auto, bf16 or fp32")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from s4r.models.loading import load_model
 
-    loaded = load_model("smollm2-135m", dtype="bf16")
+    loaded = load_model("smollm2-135m", dtype=args.dtype)
     rope = model_rope_fn(loaded.model)
     layer_ids = [int(x) for x in args.layers.split(",")]
     with torch.inference_mode():
@@ -63,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
               + " | rest | exact attention, ms | floor: KB read, M multiply-adds |")
         print("|---" * (len(KERNELS) + 7) + "|")
         for spec in args.specs.split(","):
-            space, ratio = spec.split("@")
+            method, ratio = spec.split("@")
+            space, overrides = method_spec(method)
             cfg = S4RConfig.fast(float(ratio)) if space == "s4r-fast" else S4RConfig(ratio=float(ratio))
+            cfg = cfg.with_overrides(overrides)
             for li in layer_ids:
                 staged_layer = staged.layers[li]
                 keys, values = staged_layer.keys_view[0], staged_layer.values_view[0]

@@ -206,6 +206,8 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "ks0.4": {"key_share": 0.4},
     "ks0.35": {"key_share": 0.35},
     "ks0.3": {"key_share": 0.3},
+    # in fp32 at 5x the values reach the full width: ks0.25 then gives the keys half of it (96 of 192)
+    "ks0.25": {"key_share": 0.25},
     # value coefficients score nothing: a narrower int8 lead buys them rank (value_bands)
     "ks0.4+v134": {"key_share": 0.4, "value_bands": "8:1,4:3,2:4"},
     "ks0.35+v134": {"key_share": 0.35, "value_bands": "8:1,4:3,2:4"},
@@ -241,6 +243,8 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "drop0.02+max1": {"recon_drop": 0.02, "recon_max": 1.0},
     "recon0.5": {"recon_fraction": 0.5},
     # the selected keys rebuilt in the model's dtype (the default) or in fp32
+    # one basis per KV head instead of one per layer: a rebuild of heads-times fewer multiply-adds
+    "head": {"granularity": "head"},
     "rebuild-fp32": {"rebuild_dtype": "float32"},
     # the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept exact as
     # sinks: about half of the 1% outliers go to it (docs/design.md)

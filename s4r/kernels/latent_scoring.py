@@ -49,12 +49,14 @@ def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8
                 for i in range(d):
                     rot = -x[i + half] if i < half else x[i - half]
                     y[i] = x[i] * ccos[ch, i] + rot * csin[ch, i]
-                for j in range(rk):
+                # only the last chunk's every band is kept: the others need their int8 lead columns alone
+                cols = rk if ch == chunks - 1 else lead
+                for j in range(cols):
                     coef[j] = 0.0
                 for i in range(d):
-                    yi = y[i]
-                    for j in range(rk):
-                        coef[j] += yi * blocks[h, i, j]
+                    yi, row = y[i], blocks[h, i]
+                    for j in range(cols):
+                        coef[j] += yi * row[j]
                 amax = np.float32(0.0)
                 for j in range(lead):
                     amax = max(amax, abs(coef[j]))
@@ -165,10 +167,11 @@ def pooled_relevance(logits, off, n, lse, pool, out_idx, n_out, work, scores):
             inner[t] = max(inner[t], row[t] - lr)
     dst = scores[off : off + n]
     for t in range(n):
-        best = work[t]
-        for j in range(1, pool):
-            best = max(best, work[t + j])
-        dst[t] = best
+        dst[t] = work[t]
+    for j in range(1, pool):  # one shifted maximum at a time: the token loop vectorizes
+        shifted = work[j : j + n]
+        for t in range(n):
+            dst[t] = max(dst[t], shifted[t])
     for i in range(n_out):
         scores[off + out_idx[i]] = -np.inf
 
