@@ -243,9 +243,11 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "drop0.02+max1": {"recon_drop": 0.02, "recon_max": 1.0},
     "recon0.5": {"recon_fraction": 0.5},
     # the selected keys rebuilt in the model's dtype (the default) or in fp32
+    "rebuild-fp32": {"rebuild_dtype": "float32"},
+    # the eager decode step, the reference the fused CPU kernels are tested against
+    "eager": {"kernels": "eager"},
     # one basis per KV head instead of one per layer: a rebuild of heads-times fewer multiply-adds
     "head": {"granularity": "head"},
-    "rebuild-fp32": {"rebuild_dtype": "float32"},
     # the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept exact as
     # sinks: about half of the 1% outliers go to it (docs/design.md)
     "sinks24": {"sinks": 24},
