@@ -88,7 +88,7 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
     (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
     G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows).
     Inner loops index slices from 0: numba wraps negative indices, and that check on `band[t0 + t]`
-    keeps LLVM from vectorizing the loop (BENCHMARKS.md, decode speed)."""
+    keeps LLVM from vectorizing the loop."""
     chunks, nrows, lead = q8.shape[0], q8.shape[1], q8.shape[2]
     groups = ck.shape[0]
     acc = np.empty(TILE, np.int32)
