@@ -23,13 +23,15 @@ TILE = 512  # tokens per tile: the int32 accumulator and the band's tile stay in
 @kernel
 def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull):
     """q [H, M, d] fp32 query rows -> per chunk c: int8 lead coefficients q8 [C, R, lead] and their
-    scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients of every band qfull [R, rk].
+    scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients qfull [R, F] (F = rk where
+    post-RoPE keys take their lower bands' logits from them, 0 where pre-RoPE keys are rebuilt instead).
     `undo`: un-rotate from the query's own angles (cos_q, sin_q [d]) first; ccos/csin [C, d]: each chunk's
     rotation (cos 1, sin 0 for none). blocks [H, d, rk]: each KV head's block of the key basis."""
     heads, rows, d = q.shape
     half = d // 2
     chunks = ccos.shape[0]
     rk = blocks.shape[2]
+    full = qfull.shape[1]
     x = np.empty(d, np.float32)
     y = np.empty(d, np.float32)
     coef = np.empty(rk, np.float32)
@@ -49,8 +51,8 @@ def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8
                 for i in range(d):
                     rot = -x[i + half] if i < half else x[i - half]
                     y[i] = x[i] * ccos[ch, i] + rot * csin[ch, i]
-                # only the last chunk's every band is kept: the others need their int8 lead columns alone
-                cols = rk if ch == chunks - 1 else lead
+                # the int8 lead columns, and every band only where qfull keeps them
+                cols = max(lead, full) if ch == chunks - 1 else lead
                 for j in range(cols):
                     coef[j] = 0.0
                 for i in range(d):
@@ -65,7 +67,7 @@ def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8
                     q8[ch, r, j] = np.int8(np.rint(coef[j] / scale))
                 qscale[ch, r] = scale * np.float32(scaling)
                 if ch == chunks - 1:
-                    for j in range(rk):
+                    for j in range(full):
                         qfull[r, j] = coef[j]
 
 

@@ -176,7 +176,8 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
         undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, n, d)
         chunks = ccos.shape[0]
         q8 = scratch.np("q8", (chunks, nrows, lead), torch.int8)
-        qscale, qfull = scratch.np("qscale", (chunks, nrows)), scratch.np("qfull", (nrows, rk))
+        full = 0 if seg.cfg.key_space == "pre_rope" else rk  # pre-RoPE keys are rebuilt, not dotted in latent
+        qscale, qfull = scratch.np("qscale", (chunks, nrows)), scratch.np("qfull", (nrows, full))
         project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks_k, lead, scaling, q8, qscale, qfull)
         el = scratch.np("el", (nrows, e))
         exact_logits(q, as_numpy(seg._ek), e, scaling, el)
