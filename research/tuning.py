@@ -251,36 +251,15 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept exact as
     # sinks: about half of the 1% outliers go to it (docs/design.md)
     "sinks24": {"sinks": 24},
-    # past 5x: a bf16 model's ranks at 8x (4k tokens) fixed, so an fp32 run stores what a bf16 one would.
-    # Is the loss the storage or the tokens chosen? "b8-all" rebuilds every token (no choice);
-    # "b8-exact" stores every column exactly and chooses as 8x does
-    "b5": {"rank_k": 76, "rank_v": 113},
-    "b8": {"rank_k": 38, "rank_v": 57},
-    "b8-all": {"rank_k": 38, "rank_v": 57, "recon_fraction": 1.0, "recon_token_cap": 0},
-    "b8-exact": {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
-    "b8-tokens": {"rank_k": 38, "rank_v": 57, "recon_max": 0.4, "recon_token_cap": 2048},
-    "b8-max1": {"rank_k": 38, "rank_v": 57, "recon_max": 1.0, "recon_token_cap": 2048},
-    "b8-max1-4096": {"rank_k": 38, "rank_v": 57, "recon_max": 1.0, "recon_token_cap": 4096},
-    # 10x ranks; "b10" with 10x's own token budget (the runs go at --ratio 8)
-    "b10": {"rank_k": 26, "rank_v": 38, "recon_fraction": 0.1, "recon_max": 0.2, "recon_token_cap": 1024},
-    "b10-tokens": {"rank_k": 26, "rank_v": 38, "recon_max": 0.4, "recon_token_cap": 2048},
-    "b10-max1": {"rank_k": 26, "rank_v": 38, "recon_max": 1.0, "recon_token_cap": 2048},
-    # at --ratio 8: the rebuild budget shrunk with the ratio (2/R of the tokens, 10,240/R at most)
-    "budget8": {"recon_max": 0.25, "recon_token_cap": 1280},
-    # fp32 runs at --ratio 11 have about a bf16 model's 8x bytes (ranks 39/59 at 4k); each holds 5x's
-    # rebuild budget, so the variants differ in how the bytes are stored
-    "r11": {"recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-energy": {"rank_alloc": "energy", "recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-k2bit": {"coef_bands": "8:2,2:6", "recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-v2bit": {"value_bands": "8:1,2:7", "recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-4bit": {"coef_bands": "8:2,4:6", "recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-out0.02": {"outlier_fraction": 0.02, "recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-v2bit16": {"value_bands": "8:1,2:15", "recon_max": 0.4, "recon_token_cap": 2048},
-    "r11-v425": {"value_bands": "8:1,4:2,2:5", "recon_max": 0.4, "recon_token_cap": 2048},
-    "b8-ks0.3": {"rank_k": 28, "rank_v": 67},
-    "b8-ks0.5": {"rank_k": 48, "rank_v": 48},
-    "b8-v134": {"rank_k": 44, "rank_v": 65, "value_bands": "8:1,4:3,2:4"},
-    "b8-out0.005": {"rank_k": 43, "rank_v": 64, "outlier_fraction": 0.005},
+    # past 5x (runs at --ratio 8 or 10), the presets' alternatives: values in the keys' bands as at 5x,
+    # alone and with the rebuild budget shrunk with the ratio (2/R of the tokens, 10,240/R at most)
+    "keys-bands": {"value_bands": "8:2,4:3,2:3"},
+    "keys-bands-budget8": {"value_bands": "8:2,4:3,2:3", "recon_max": 0.25, "recon_token_cap": 1280},
+    "keys-bands-budget10": {"value_bands": "8:2,4:3,2:3", "recon_max": 0.2, "recon_token_cap": 1024},
+    # where the loss past 5x lies: every column stored exactly with the ratio's selection, or the ratio's
+    # store with every token rebuilt (no selection)
+    "exact-store": {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
+    "rebuild-all": {"recon_fraction": 1.0, "recon_token_cap": 0},
 }
 
 

@@ -7,6 +7,12 @@ from typing import Any, Literal
 
 from s4r.validation import check_ratio
 
+# past this ratio two presets change (docs/design.md, "Past 5x"): a step's rebuild budget stays at this
+# ratio's (smaller ranks make a rebuilt token cheaper, and the lossier store needs more of them to keep what
+# a query attends), and the value coefficients, which score nothing, trade precision for rank
+HIGH_RATIO = 5.0
+HIGH_RATIO_VALUE_BANDS = "8:1,2:7"
+
 KeySpace = Literal["post_rope", "pre_rope"]
 Granularity = Literal["head", "layer"]
 CoefDtype = Literal["model", "int8"]
@@ -69,8 +75,9 @@ class S4RConfig:
     # coef_bands.py); None keeps every column in int8. Ignored with coef_dtype "model". Fewer bits on the
     # trailing columns buy rank (docs/design.md, "Coefficient bands")
     coef_bands: str | None = "8:2,4:3,2:3"
-    # bands of the value coefficients where they should differ from the keys' (None: `coef_bands`).
-    # Value coefficients score nothing, so they can trade the wide int8 lead for rank
+    # bands of the value coefficients where they should differ from the keys' (None: `coef_bands`, or past
+    # HIGH_RATIO an int8 eighth and 2 bits for the rest). Value coefficients score nothing, so they can
+    # trade the wide int8 lead for rank
     value_bands: str | None = None
 
     # decode
@@ -86,12 +93,14 @@ class S4RConfig:
     # fraction. The ceiling follows the storage's fidelity: lossy rebuilds of unimportant tokens dilute
     # sharp needles (docs/design.md, "How many tokens a step rebuilds")
     recon_drop: float | None = 0.02
-    # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5)
+    # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5; past
+    # HIGH_RATIO it stays at that ratio's, see below)
     recon_max: float | None = None
     # at most this many stored tokens rebuilt per step, whatever the fractions above give; None: 10,240/ratio
-    # (2,048 at ratio 5, 4,096 at 2.5), 0: no limit. A pre-RoPE step's work grows with the tokens it
-    # rebuilds, so a share of a long context would cost more than attending all of it exactly; ShadowKV
-    # keeps a fixed token budget too (docs/design.md, "How many tokens a step rebuilds")
+    # (2,048 at ratio 5, 4,096 at 2.5; past HIGH_RATIO it stays at 2,048), 0: no limit. A pre-RoPE
+    # step's work grows with the tokens it rebuilds, so a share of a long context would cost more than
+    # attending all of it exactly; ShadowKV keeps a fixed token budget too (docs/design.md, "How many
+    # tokens a step rebuilds")
     recon_token_cap: int | None = None
     # the dtype a pre-RoPE step rebuilds the selected keys in: "model" (a bf16 model's bf16, or the model's
     # dtype on a GPU: one product over the decoded coefficients, keys rounded as the model's own are;
@@ -164,9 +173,9 @@ class S4RConfig:
         if self.recon_drop is not None and not 0.0 < self.recon_drop < 1.0:
             raise ValueError("recon_drop must be in (0, 1) (or None for a fixed fraction)")
         if self.recon_max is not None and not 0.0 < self.recon_max <= 1.0:
-            raise ValueError("recon_max must be in (0, 1] (or None for 2/ratio)")
+            raise ValueError("recon_max must be in (0, 1] (or None for the ratio's default)")
         if self.recon_token_cap is not None and self.recon_token_cap < 0:
-            raise ValueError("recon_token_cap must be >= 0 (0: no limit, None: 10240/ratio)")
+            raise ValueError("recon_token_cap must be >= 0 (0: no limit, None: the ratio's default)")
         if self.rebuild_dtype not in ("model", "float32"):
             raise ValueError(f"rebuild_dtype must be model or float32, got {self.rebuild_dtype!r}")
         if self.rope_chunk < 0:
@@ -233,8 +242,11 @@ class S4RConfig:
     def band_spec(self, values: bool = False) -> str | None:
         """The band spec in force for the key or the value coefficients (None: model dtype, or int8
         without bands)."""
-        if values and self.value_bands is not None and self.coef_dtype == "int8":
-            return self.value_bands
+        if values and self.coef_dtype == "int8":
+            if self.value_bands is not None:
+                return self.value_bands
+            if self.ratio and self.ratio > HIGH_RATIO:
+                return HIGH_RATIO_VALUE_BANDS
         return self.bands
 
     def outlier_count(self, stored_tokens: int) -> int:
@@ -245,12 +257,12 @@ class S4RConfig:
         """The largest share of the stored tokens a step may rebuild with `recon_drop`."""
         if self.recon_max is not None:
             return self.recon_max
-        return min(1.0, 2.0 / self.ratio) if self.ratio else 1.0
+        return min(1.0, 2.0 / min(self.ratio, HIGH_RATIO)) if self.ratio else 1.0
 
     def token_cap(self) -> int | None:
         """The most stored tokens a step rebuilds (`recon_token_cap`), or None for no limit."""
         if self.recon_token_cap is None:
-            return round(10240 / self.ratio) if self.ratio else None
+            return round(10240 / min(self.ratio, HIGH_RATIO)) if self.ratio else None
         return self.recon_token_cap or None
 
     def reconstruct_count(self, stored_tokens: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s4r.config import S4RConfig
+from s4r.config import HIGH_RATIO_VALUE_BANDS, S4RConfig
 from s4r.core.budget import KVShape, solve_ranks, token_coef_bytes
 from s4r.core.coef_bands import decode_tails, encode_tails, parse_band_spec, plan_bands
 from s4r.core.compress import compress_layer
@@ -99,3 +99,17 @@ def test_value_bands_are_their_own_plan_and_bytes():
     assert b.rank_k + b.rank_v > a.rank_k + a.rank_v and b.ratio >= 5.0
     with pytest.raises(ValueError, match="first coefficient band"):
         S4RConfig(value_bands="4:1")
+
+
+def test_past_five_x_values_default_to_two_bits():
+    """Past HIGH_RATIO the values' preset is an int8 eighth and 2 bits; an explicit spec still wins,
+    5x keeps the keys' bands, and the preset's bytes stay within the ratio."""
+    shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
+    assert S4RConfig(ratio=5.0).band_spec(values=True) == "8:2,4:3,2:3"
+    assert S4RConfig(ratio=8.0).band_spec(values=True) == HIGH_RATIO_VALUE_BANDS == "8:1,2:7"
+    assert S4RConfig(ratio=8.0).band_spec(values=False) == "8:2,4:3,2:3"
+    assert S4RConfig(ratio=8.0, value_bands="8:2,4:3,2:3").band_spec(values=True) == "8:2,4:3,2:3"
+    assert S4RConfig(ratio=8.0, coef_dtype="model").band_spec(values=True) is None
+    preset = solve_ranks(shape, S4RConfig(ratio=8.0), tokens=4096)
+    same = solve_ranks(shape, S4RConfig(ratio=8.0, value_bands="8:2,4:3,2:3"), tokens=4096)
+    assert preset.rank_v > same.rank_v and preset.ratio >= 8.0

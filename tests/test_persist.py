@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from s4r.errors import CacheFileError
 from s4r.hf.generation import forward_tokens
+from s4r.runtime.persist import _checksum
 from s4r.runtime.session import Session
 from tests.helpers import CharTokenizer, tiny_model
 
@@ -83,6 +84,33 @@ def test_a_changed_header_is_refused(model, saved, edit):
     rewrite(saved, edit_header=edit)
     with pytest.raises(CacheFileError, match="checksum mismatch"):
         Session.load(saved, loaded_as(model, torch.float32))
+
+
+def test_a_file_from_before_the_ratio_presets_reads_back_as_stored(model, tmp_path):
+    """Files that did not write their value bands stored the values in the keys' bands: past 5x too,
+    where today's preset differs, they load with those bands and give the saved session's logits."""
+    original = Session(loaded_as(model, torch.float32), method="s4r", ratio=2.5)
+    original.ingest(DOC)
+    path = tmp_path / "old.s4r"
+    original.save(path)
+
+    def as_before(header):
+        for layer in header["layers"]:
+            if "config" in layer["meta"]:
+                layer["meta"]["config"].update(ratio=8.0, value_bands=None)
+        header.pop("checksum")
+        header["checksum"] = _checksum(tensors, header)
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open API
+    rewrite(path, edit_header=as_before)
+    loaded = Session.load(path, loaded_as(model, torch.float32))
+    assert all(layer.cfg.band_spec(values=True) == layer.cfg.band_spec()
+               for layer in loaded.cache.layers if hasattr(layer, "cfg"))
+    ids = torch.tensor([[5, 17, 42]])
+    with torch.inference_mode():
+        logits = [forward_tokens(model, s.cache, ids, s.logical_length) for s in (original, loaded)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
 def test_a_changed_tensor_is_refused(model, saved):

@@ -180,6 +180,8 @@ def test_the_drop_bound_stops_at_its_ceiling_for_a_chunk_too():
     assert layer.selected.shape[1] == int(0.3 * layer.stored_coefs)
     assert S4RConfig(ratio=5).recon_ceiling() == 0.4 and S4RConfig(ratio=2.5).recon_ceiling() == 0.8
     assert S4RConfig(ratio=1.5).recon_ceiling() == 1.0 and S4RConfig(recon_max=0.3).recon_ceiling() == 0.3
+    # past 5x the ceiling stays at 5x's: smaller ranks make each rebuilt token cheaper
+    assert S4RConfig(ratio=8).recon_ceiling() == 0.4 and S4RConfig(ratio=10).recon_ceiling() == 0.4
 
 
 def test_the_token_cap_bounds_the_fixed_count_and_the_ceiling():
@@ -195,8 +197,9 @@ def test_the_token_cap_bounds_the_fixed_count_and_the_ceiling():
         assert layer.selected.shape[1] > 40
     with pytest.raises(ValueError, match="recon_token_cap"):
         S4RConfig(recon_token_cap=-1)
-    # unset, the cap follows the ratio as the ceiling does; the fixed-share presets keep no limit
+    # unset, the cap follows the ratio (up to 5x) as the ceiling does; the fixed-share presets keep no limit
     assert S4RConfig(ratio=5).token_cap() == 2048 and S4RConfig(ratio=2.5).token_cap() == 4096
+    assert S4RConfig(ratio=8).token_cap() == 2048 and S4RConfig(ratio=10).token_cap() == 2048
     assert S4RConfig(ratio=5, recon_token_cap=0).token_cap() is None
     assert S4RConfig.fast(5).token_cap() is None and S4RConfig.paper(5).token_cap() is None
 

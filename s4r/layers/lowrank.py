@@ -371,7 +371,8 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
 
     def meta_state(self) -> dict:
-        meta = {"config": self.cfg.to_dict()}
+        # the value bands in force are written out, so a file reads back as stored whatever the presets become
+        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True)}}
         if self.shared_k or self.shared_v:
             meta["shared"] = [self.shared_k, self.shared_v]
         return meta
@@ -379,7 +380,10 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
     @classmethod
     def from_state(cls, state, meta, *, rope=None) -> LowRankLayer:
         parts = {key: state.get(key) for key in cls._STATE if key not in ("buf_k", "buf_v")}
-        layer = cls(cfg=S4RConfig(**meta["config"]), rope=rope, **parts)
+        config = dict(meta["config"])
+        if config.get("value_bands") is None:  # written before the ratio presets: values used the keys' bands
+            config["value_bands"] = config.get("coef_bands") or "8:1"  # "8:1": every column int8
+        layer = cls(cfg=S4RConfig(**config), rope=rope, **parts)
         layer.shared_k, layer.shared_v = meta.get("shared", (0, 0))
         layer.set_buffer(state["buf_k"], state["buf_v"])
         return layer
