@@ -253,16 +253,21 @@ class S4RConfig:
         """How many of `stored_tokens` are kept exact as outliers."""
         return int(self.outlier_fraction * stored_tokens)
 
+    @property
+    def _budget_ratio(self) -> float:
+        """The ratio the rebuild budget follows: the requested one, at most HIGH_RATIO."""
+        return min(self.ratio or HIGH_RATIO, HIGH_RATIO)
+
     def recon_ceiling(self) -> float:
         """The largest share of the stored tokens a step may rebuild with `recon_drop`."""
         if self.recon_max is not None:
             return self.recon_max
-        return min(1.0, 2.0 / min(self.ratio, HIGH_RATIO)) if self.ratio else 1.0
+        return min(1.0, 2.0 / self._budget_ratio) if self.ratio else 1.0
 
     def token_cap(self) -> int | None:
         """The most stored tokens a step rebuilds (`recon_token_cap`), or None for no limit."""
         if self.recon_token_cap is None:
-            return round(10240 / min(self.ratio, HIGH_RATIO)) if self.ratio else None
+            return round(10240 / self._budget_ratio) if self.ratio else None
         return self.recon_token_cap or None
 
     def reconstruct_count(self, stored_tokens: int) -> int:

@@ -38,8 +38,9 @@ def saved(model, tmp_path):
     return path
 
 
-def rewrite(path, edit_header=None, edit_tensors=None) -> None:
-    """Rewrite a saved file as a tool that changes it would (a valid safetensors file again)."""
+def rewrite(path, edit_header=None, edit_tensors=None, resign: bool = False) -> None:
+    """Rewrite a saved file as a tool that changes it would (a valid safetensors file again); `resign`
+    recomputes the checksum, as s4r itself would have written the edited file."""
     with safe_open(str(path), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open API
         header = json.loads(f.metadata()["s4r"])
@@ -47,7 +48,17 @@ def rewrite(path, edit_header=None, edit_tensors=None) -> None:
         edit_header(header)
     if edit_tensors is not None:
         edit_tensors(tensors)
+    if resign:
+        header.pop("checksum")
+        header["checksum"] = _checksum(tensors, header)
     save_file(tensors, str(path), metadata={"s4r": json.dumps(header)})
+
+
+def next_logits(model, *sessions: Session) -> list[torch.Tensor]:
+    """Each session's logits for the same three next tokens."""
+    ids = torch.tensor([[5, 17, 42]])
+    with torch.inference_mode():
+        return [forward_tokens(model, s.cache, ids, s.logical_length) for s in sessions]
 
 
 def test_an_untouched_file_loads(model, tmp_path):
@@ -69,9 +80,7 @@ def test_an_untouched_file_loads(model, tmp_path):
         assert saved_tensors.keys() == loaded_tensors.keys() and saved_tensors
         for name, tensor in saved_tensors.items():
             assert torch.equal(loaded_tensors[name], tensor), name
-    ids = torch.tensor([[5, 17, 42]])
-    with torch.inference_mode():
-        logits = [forward_tokens(model, s.cache, ids, s.logical_length) for s in (original, loaded)]
+    logits = next_logits(model, original, loaded)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
@@ -98,18 +107,12 @@ def test_a_file_from_before_the_ratio_presets_reads_back_as_stored(model, tmp_pa
         for layer in header["layers"]:
             if "config" in layer["meta"]:
                 layer["meta"]["config"].update(ratio=8.0, value_bands=None)
-        header.pop("checksum")
-        header["checksum"] = _checksum(tensors, header)
 
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open API
-    rewrite(path, edit_header=as_before)
+    rewrite(path, edit_header=as_before, resign=True)
     loaded = Session.load(path, loaded_as(model, torch.float32))
     assert all(layer.cfg.band_spec(values=True) == layer.cfg.band_spec()
                for layer in loaded.cache.layers if hasattr(layer, "cfg"))
-    ids = torch.tensor([[5, 17, 42]])
-    with torch.inference_mode():
-        logits = [forward_tokens(model, s.cache, ids, s.logical_length) for s in (original, loaded)]
+    logits = next_logits(model, original, loaded)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
