@@ -260,6 +260,32 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # store with every token rebuilt (no selection)
     "exact-store": {"rank_k": 192, "rank_v": 192, "coef_dtype": "model", "outlier_fraction": 0.0},
     "rebuild-all": {"recon_fraction": 1.0, "recon_token_cap": 0},
+    # is the sampled basis the loss? Bases fitted on every stored token (normalized, or raw: the L2-best
+    # rank-r subspace), and that subspace at 8x's / 10x's bf16 ranks with exact coefficients (an upper
+    # bound for any low-rank store of those ranks; it ignores the ratio)
+    "svd-all": {"sample_tokens": None},
+    "svd-all-raw": {"sample_tokens": None, "normalize": False},
+    "lowrank-oracle8": {"rank_k": 49, "rank_v": 74, "coef_dtype": "model", "sample_tokens": None,
+                        "outlier_fraction": 0.0},
+    "lowrank-oracle10": {"rank_k": 34, "rank_v": 52, "coef_dtype": "model", "sample_tokens": None,
+                         "outlier_fraction": 0.0},
+    # the full-precision buffer of new tokens is counted full in the ratio (an eighth of the bytes at 8x):
+    # a smaller one buys rank
+    "buffer32": {"buffer_tokens": 32, "fold_tokens": 16},
+    "buffer16": {"buffer_tokens": 16, "fold_tokens": 8},
+    # the oracles put most of 8x's loss in the coefficients' bits: outliers' bytes to rank (the default past
+    # 5x; "outliers=0.01" keeps 5x's 1% there), wider bands
+    "outliers=0.01": {"outlier_fraction": 0.01},
+    "out0+v17": {"outlier_fraction": 0.0, "value_bands": "8:1,4:7"},
+    "out0+v134": {"outlier_fraction": 0.0, "value_bands": "8:1,4:3,2:4"},
+    "out0+k134": {"outlier_fraction": 0.0, "coef_bands": "8:1,4:3,2:4"},
+    "out0+k143": {"outlier_fraction": 0.0, "coef_bands": "8:1,4:4,2:3"},
+    "out0+k332": {"outlier_fraction": 0.0, "coef_bands": "8:3,4:3,2:2"},
+    "out0+k422": {"outlier_fraction": 0.0, "coef_bands": "8:4,4:2,2:2"},
+    "out0+k8": {"outlier_fraction": 0.0, "coef_bands": None},
+    # past 5x the values lose far more of their energy to the rank cut than the keys (14% vs 3% at 8x)
+    "out0+ks0.35": {"outlier_fraction": 0.0, "key_share": 0.35},
+    "out0+ks0.3": {"outlier_fraction": 0.0, "key_share": 0.3},
 }
 
 

@@ -86,6 +86,35 @@ def test_banded_layer_attends_close_to_exact_at_full_rank():
     assert values_banded < 0.3 and values_banded < 0.6 * cut, (values_banded, cut)
 
 
+def test_folded_tokens_keep_value_bands_beside_plain_int8_keys():
+    """Tokens folded from the buffer get the values' lower bands even when the keys have none (plain int8
+    keys beside banded values, as past HIGH_RATIO with `coef_bands=None`): every stored token has its value
+    codes, and attention stays close to the exact one."""
+    torch.manual_seed(2)
+    heads, total, dim, extra = 2, 200, 32, 40
+    mix = torch.randn(heads * dim, heads * dim) * torch.linspace(3.0, 0.1, heads * dim)
+
+    def kv(n: int) -> torch.Tensor:
+        return (torch.randn(n, heads * dim) @ mix.T).view(n, heads, dim).transpose(0, 1).contiguous()
+
+    keys, values, new_k, new_v = kv(total), kv(total), kv(extra), kv(extra)
+    rank = heads * dim
+    cfg = S4RConfig(key_space="post_rope", ratio=None, rank_k=rank, rank_v=rank, coef_bands=None,
+                    value_bands="8:1,4:3,2:4", outlier_fraction=0.0, recon_fraction=1.0, local_window=0,
+                    buffer_tokens=8, fold_tokens=4)
+    layer = compress_layer(keys, values, None, cfg, rank, rank, None)
+    assert layer.tail_k is None and layer.tail_v is not None
+    for i in range(extra):
+        k, v = layer.update(new_k[:, i : i + 1].unsqueeze(0), new_v[:, i : i + 1].unsqueeze(0))
+    assert layer.stored_coefs > total and layer.tail_v.shape[1] == layer.stored_coefs
+    query = torch.randn(1, 2 * heads, 1, dim) * 0.1
+    out = layer.attend(query, k, v, dim**-0.5)
+    every_k = torch.cat([keys, new_k], 1).unsqueeze(0).repeat_interleave(2, 1)
+    every_v = torch.cat([values, new_v], 1).unsqueeze(0).repeat_interleave(2, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(query, every_k, every_v)
+    assert float((out - ref).norm() / ref.norm()) < 0.3
+
+
 def test_value_bands_are_their_own_plan_and_bytes():
     shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
     same = S4RConfig(ratio=5.0)
@@ -113,3 +142,18 @@ def test_past_five_x_values_default_to_two_bits():
     preset = solve_ranks(shape, S4RConfig(ratio=8.0), tokens=4096)
     same = solve_ranks(shape, S4RConfig(ratio=8.0, value_bands="8:2,4:3,2:3"), tokens=4096)
     assert preset.rank_v > same.rank_v and preset.ratio >= 8.0
+
+
+def test_past_five_x_no_token_is_an_outlier():
+    """Past HIGH_RATIO no stored token is kept exact (1% up to it); an explicit share and s4r-fast's 3%
+    still win, and the freed bytes go to rank within the ratio."""
+    shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
+    assert S4RConfig(ratio=5.0).outlier_share == 0.01 and S4RConfig(ratio=5.0).outlier_count(4000) == 40
+    assert S4RConfig(ratio=8.0).outlier_share == 0.0 and S4RConfig(ratio=8.0).outlier_count(4000) == 0
+    assert S4RConfig(ratio=8.0, outlier_fraction=0.02).outlier_share == 0.02
+    assert S4RConfig.fast(8.0).outlier_share == 0.03
+    preset = solve_ranks(shape, S4RConfig(ratio=8.0), tokens=4096)
+    kept = solve_ranks(shape, S4RConfig(ratio=8.0, outlier_fraction=0.01), tokens=4096)
+    assert preset.rank_k + preset.rank_v > kept.rank_k + kept.rank_v and preset.ratio >= 8.0
+    with pytest.raises(ValueError, match="outlier_fraction"):
+        S4RConfig(outlier_fraction=1.0)

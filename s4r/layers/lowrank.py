@@ -180,9 +180,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
 
     def _append_coefs(self, ck, sk, cv, sv, tails=(None, None, None, None)) -> None:
         n, m = self._n, ck.shape[1]
-        if self._tk is not None:
-            names = ("_tk", "_tsk", "_tv", "_tsv")
-            for name, new in zip(names, tails, strict=True):
+        # keys and values have their own bands (plain int8 keys may sit beside banded values)
+        for name, new in zip(("_tk", "_tsk", "_tv", "_tsv"), tails, strict=True):
+            if getattr(self, name) is not None:
                 store = grown(getattr(self, name), 1, n, n + m)
                 store[:, n : n + m] = new
                 setattr(self, name, store)
@@ -371,8 +371,10 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
 
     def meta_state(self) -> dict:
-        # the value bands in force are written out, so a file reads back as stored whatever the presets become
-        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True)}}
+        # the value bands and outlier share in force are written out, so a file reads back as stored
+        # whatever the presets become
+        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True),
+                           "outlier_fraction": self.cfg.outlier_share}}
         if self.shared_k or self.shared_v:
             meta["shared"] = [self.shared_k, self.shared_v]
         return meta
