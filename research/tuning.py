@@ -273,9 +273,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # a smaller one buys rank
     "buffer32": {"buffer_tokens": 32, "fold_tokens": 16},
     "buffer16": {"buffer_tokens": 16, "fold_tokens": 8},
-    # the oracles put most of 8x's loss in the coefficients' bits: outliers' bytes to rank (the default past
-    # 5x; "outliers=0.01" keeps 5x's 1% there), wider bands
-    "outliers=0.01": {"outlier_fraction": 0.01},
+    # the oracles put most of 8x's loss in the coefficients' bits: outliers' bytes to rank, other bands
     "out0+v17": {"outlier_fraction": 0.0, "value_bands": "8:1,4:7"},
     "out0+v134": {"outlier_fraction": 0.0, "value_bands": "8:1,4:3,2:4"},
     "out0+k134": {"outlier_fraction": 0.0, "coef_bands": "8:1,4:3,2:4"},

@@ -7,14 +7,11 @@ from typing import Any, Literal
 
 from s4r.validation import check_ratio
 
-# past this ratio three presets change (docs/design.md, "Past 5x"): a step's rebuild budget stays at this
+# past this ratio two presets change (docs/design.md, "Past 5x"): a step's rebuild budget stays at this
 # ratio's (smaller ranks make a rebuilt token cheaper, and the lossier store needs more of them to keep what
-# a query attends), the value coefficients, which score nothing, trade precision for rank, and no token is
-# kept exact as an outlier (its bytes buy rank for every token)
+# a query attends), and the value coefficients, which score nothing, trade precision for rank
 HIGH_RATIO = 5.0
 HIGH_RATIO_VALUE_BANDS = "8:1,2:7"
-OUTLIER_FRACTION = 0.01
-HIGH_RATIO_OUTLIER_FRACTION = 0.0
 
 KeySpace = Literal["post_rope", "pre_rope"]
 Granularity = Literal["head", "layer"]
@@ -50,9 +47,8 @@ class S4RConfig:
 
     # share of the stored tokens the bases represent worst (largest relative residual) that are also
     # kept exact, like ShadowKV's outlier chunks: rare tokens (a needle) are what a sampled basis misses.
-    # Pre-RoPE bases miss few tokens, so 1% is enough and leaves the bytes to rank (docs/design.md); None:
-    # that 1%, and none past HIGH_RATIO
-    outlier_fraction: float | None = None
+    # Pre-RoPE bases miss few tokens, so 1% is enough and leaves the bytes to rank (docs/design.md)
+    outlier_fraction: float = 0.01
     # how outliers are chosen: "residual" (worst relative reconstruction error) or "attention" (largest
     # first-order change of the prompt's last queries' attention output, see compress.attention_effect)
     outlier_score: Literal["residual", "attention"] = "residual"
@@ -164,8 +160,8 @@ class S4RConfig:
             raise ValueError("sinks and local_window must be >= 0, query_window >= 1")
         if self.sample_tokens is not None and self.sample_tokens < 1:
             raise ValueError("sample_tokens must be positive (or None for all tokens)")
-        if self.outlier_fraction is not None and not 0.0 <= self.outlier_fraction < 1.0:
-            raise ValueError("outlier_fraction must be in [0, 1) (or None for the ratio's default)")
+        if not 0.0 <= self.outlier_fraction < 1.0:
+            raise ValueError("outlier_fraction must be in [0, 1)")
         if self.outlier_score not in ("residual", "attention"):
             raise ValueError("outlier_score must be 'residual' or 'attention'")
         if not 0.0 <= self.recent_share <= 1.0:
@@ -253,17 +249,9 @@ class S4RConfig:
                 return HIGH_RATIO_VALUE_BANDS
         return self.bands
 
-    @property
-    def outlier_share(self) -> float:
-        """The share of the stored tokens kept exact as outliers: `outlier_fraction`, or the ratio's
-        default (1%, none past HIGH_RATIO)."""
-        if self.outlier_fraction is not None:
-            return self.outlier_fraction
-        return HIGH_RATIO_OUTLIER_FRACTION if self.ratio and self.ratio > HIGH_RATIO else OUTLIER_FRACTION
-
     def outlier_count(self, stored_tokens: int) -> int:
         """How many of `stored_tokens` are kept exact as outliers."""
-        return int(self.outlier_share * stored_tokens)
+        return int(self.outlier_fraction * stored_tokens)
 
     @property
     def _budget_ratio(self) -> float:

@@ -142,18 +142,3 @@ def test_past_five_x_values_default_to_two_bits():
     preset = solve_ranks(shape, S4RConfig(ratio=8.0), tokens=4096)
     same = solve_ranks(shape, S4RConfig(ratio=8.0, value_bands="8:2,4:3,2:3"), tokens=4096)
     assert preset.rank_v > same.rank_v and preset.ratio >= 8.0
-
-
-def test_past_five_x_no_token_is_an_outlier():
-    """Past HIGH_RATIO no stored token is kept exact (1% up to it); an explicit share and s4r-fast's 3%
-    still win, and the freed bytes go to rank within the ratio."""
-    shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
-    assert S4RConfig(ratio=5.0).outlier_share == 0.01 and S4RConfig(ratio=5.0).outlier_count(4000) == 40
-    assert S4RConfig(ratio=8.0).outlier_share == 0.0 and S4RConfig(ratio=8.0).outlier_count(4000) == 0
-    assert S4RConfig(ratio=8.0, outlier_fraction=0.02).outlier_share == 0.02
-    assert S4RConfig.fast(8.0).outlier_share == 0.03
-    preset = solve_ranks(shape, S4RConfig(ratio=8.0), tokens=4096)
-    kept = solve_ranks(shape, S4RConfig(ratio=8.0, outlier_fraction=0.01), tokens=4096)
-    assert preset.rank_k + preset.rank_v > kept.rank_k + kept.rank_v and preset.ratio >= 8.0
-    with pytest.raises(ValueError, match="outlier_fraction"):
-        S4RConfig(outlier_fraction=1.0)

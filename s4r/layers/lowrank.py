@@ -371,10 +371,8 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
 
     def meta_state(self) -> dict:
-        # the value bands and outlier share in force are written out, so a file reads back as stored
-        # whatever the presets become
-        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True),
-                           "outlier_fraction": self.cfg.outlier_share}}
+        # the value bands in force are written out, so a file reads back as stored whatever the presets become
+        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True)}}
         if self.shared_k or self.shared_v:
             meta["shared"] = [self.shared_k, self.shared_v]
         return meta
