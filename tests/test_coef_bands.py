@@ -51,20 +51,33 @@ def test_bands_buy_rank_at_the_same_bytes():
     assert banded.rank_k > 1.6 * plain.rank_k and banded.ratio >= 5.0
 
 
+def decaying_mix(width: int) -> torch.Tensor:
+    """A mixing matrix whose outputs have a decaying spectrum, like real keys and values."""
+    return torch.randn(width, width) * torch.linspace(3.0, 0.1, width)
+
+
+def mixed_tokens(n: int, mix: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads, n, dim] keys or values drawn through `mix`."""
+    return (torch.randn(n, mix.shape[0]) @ mix.T).view(n, heads, -1).transpose(0, 1).contiguous()
+
+
+def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention of `query` [1, 2H, q, d] over every token of keys/values [H, T, d], two query heads per
+    KV head."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys.unsqueeze(0).repeat_interleave(2, 1), values.unsqueeze(0).repeat_interleave(2, 1))
+
+
 def test_banded_layer_attends_close_to_exact_at_full_rank():
     """Every token reconstructed at full rank: the output error is the bands' rounding alone, far below
     a rank cut to the same bytes; a broken band decoder (wrong order, offset or step) fails this."""
     torch.manual_seed(1)
     heads, total, dim = 2, 300, 32
-    # keys/values with a decaying spectrum, like real ones
-    mix = torch.randn(heads * dim, heads * dim) * torch.linspace(3.0, 0.1, heads * dim)
-    keys = (torch.randn(total, heads * dim) @ mix.T).view(total, heads, dim).transpose(0, 1).contiguous()
-    values = (torch.randn(total, heads * dim) @ mix.T).view(total, heads, dim).transpose(0, 1).contiguous()
+    mix = decaying_mix(heads * dim)
+    keys, values = mixed_tokens(total, mix, heads), mixed_tokens(total, mix, heads)
     query = torch.randn(1, 2 * heads, 1, dim) * 0.1
     new_k, new_v = torch.randn(1, heads, 1, dim), torch.randn(1, heads, 1, dim)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        query, torch.cat([keys, new_k[0]], 1).unsqueeze(0).repeat_interleave(2, 1),
-        torch.cat([values, new_v[0]], 1).unsqueeze(0).repeat_interleave(2, 1))
+    ref = exact_attention(query, torch.cat([keys, new_k[0]], 1), torch.cat([values, new_v[0]], 1))
 
     def error(rank: int, bands: str | None, value_bands: str | None = None) -> float:
         cfg = S4RConfig(key_space="post_rope",
@@ -92,12 +105,8 @@ def test_folded_tokens_keep_value_bands_beside_plain_int8_keys():
     codes, and attention stays close to the exact one."""
     torch.manual_seed(2)
     heads, total, dim, extra = 2, 200, 32, 40
-    mix = torch.randn(heads * dim, heads * dim) * torch.linspace(3.0, 0.1, heads * dim)
-
-    def kv(n: int) -> torch.Tensor:
-        return (torch.randn(n, heads * dim) @ mix.T).view(n, heads, dim).transpose(0, 1).contiguous()
-
-    keys, values, new_k, new_v = kv(total), kv(total), kv(extra), kv(extra)
+    mix = decaying_mix(heads * dim)
+    keys, values, new_k, new_v = (mixed_tokens(n, mix, heads) for n in (total, total, extra, extra))
     rank = heads * dim
     cfg = S4RConfig(key_space="post_rope", ratio=None, rank_k=rank, rank_v=rank, coef_bands=None,
                     value_bands="8:1,4:3,2:4", outlier_fraction=0.0, recon_fraction=1.0, local_window=0,
@@ -109,9 +118,7 @@ def test_folded_tokens_keep_value_bands_beside_plain_int8_keys():
     assert layer.stored_coefs > total and layer.tail_v.shape[1] == layer.stored_coefs
     query = torch.randn(1, 2 * heads, 1, dim) * 0.1
     out = layer.attend(query, k, v, dim**-0.5)
-    every_k = torch.cat([keys, new_k], 1).unsqueeze(0).repeat_interleave(2, 1)
-    every_v = torch.cat([values, new_v], 1).unsqueeze(0).repeat_interleave(2, 1)
-    ref = torch.nn.functional.scaled_dot_product_attention(query, every_k, every_v)
+    ref = exact_attention(query, torch.cat([keys, new_k], 1), torch.cat([values, new_v], 1))
     assert float((out - ref).norm() / ref.norm()) < 0.3
 
 

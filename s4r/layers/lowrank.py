@@ -182,8 +182,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         n, m = self._n, ck.shape[1]
         # keys and values have their own bands (plain int8 keys may sit beside banded values)
         for name, new in zip(("_tk", "_tsk", "_tv", "_tsv"), tails, strict=True):
-            if getattr(self, name) is not None:
-                store = grown(getattr(self, name), 1, n, n + m)
+            store = getattr(self, name)
+            if store is not None:
+                store = grown(store, 1, n, n + m)
                 store[:, n : n + m] = new
                 setattr(self, name, store)
         self._ck = grown(self._ck, 2, n, n + m)
