@@ -27,6 +27,10 @@ from s4r_cli.options import METHODS_PLACEHOLDER
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
+# set when a command ended because another rank was lost: the process group's threads then abort the
+# interpreter's teardown with a C++ line ("terminate called ...") after ours, so `main` leaves without one
+_rank_lost = False
+
 app = typer.Typer(
     name="s4r",
     help="Long-context chat with a compressed (S4R) KV cache.",
@@ -120,7 +124,8 @@ def fill_method_help(command: click.Command) -> None:
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code; every failure becomes one line on stderr."""
-    from s4r.errors import ContextTooLongError, S4RError
+    global _rank_lost
+    from s4r.errors import ContextTooLongError, RankError, S4RError
     from s4r_cli.ranks import mute_followers
 
     mute_followers()  # under torchrun only rank 0 speaks
@@ -140,6 +145,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except S4RError as e:
         _debug_traceback()
         _say(f"error: {error_message(e)}")
+        _rank_lost = isinstance(e, RankError)
         # a document or question longer than the context is bad input, like a missing file
         return EXIT_USAGE if isinstance(e, ContextTooLongError) else EXIT_RUNTIME
     except PipeClosed:
@@ -162,6 +168,11 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main() -> None:
     """Console-script entry point."""
     try:
-        sys.exit(run())
+        code = run()
     except KeyboardInterrupt:  # Ctrl-C while importing or reporting
-        sys.exit(EXIT_INTERRUPTED)
+        code = EXIT_INTERRUPTED
+    if _rank_lost:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
