@@ -284,6 +284,22 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # past 5x the values lose far more of their energy to the rank cut than the keys (14% vs 3% at 8x)
     "out0+ks0.35": {"outlier_fraction": 0.0, "key_share": 0.35},
     "out0+ks0.3": {"outlier_fraction": 0.0, "key_share": 0.3},
+    # 8x's ranks fixed (bf16 at 4k), the earlier past-5x coding (values "8:1,2:7", no tail scaling): which
+    # kind's low bits lose, keys' or values' (int8 throughout, "8:8")
+    "fix8": {"rank_k": 49, "rank_v": 74, "value_bands": "8:1,2:7", "tail_norm": False},
+    "fix8-k8": {"rank_k": 49, "rank_v": 74, "coef_bands": "8:8", "value_bands": "8:1,2:7",
+                "tail_norm": False},
+    "fix8-v8": {"rank_k": 49, "rank_v": 74, "value_bands": "8:8", "tail_norm": False},
+    "fix8-kv8": {"rank_k": 49, "rank_v": 74, "coef_bands": "8:8", "value_bands": "8:8", "tail_norm": False},
+    # past 5x: the earlier preset (values "8:1,2:7", keys 0.4 of the rank, orthonormal bases), each lower
+    # band's columns in units of their RMS (`tail_norm`), wider 2-bit values at a 0.35 key share (the
+    # preset is both), and 2-bit keys too
+    "v-eighth": {"value_bands": "8:1,2:7", "key_share": 0.4, "tail_norm": False},
+    "tailnorm": {"value_bands": "8:1,2:7", "key_share": 0.4, "tail_norm": True},
+    "v2w": {"value_bands": "8:1,2:22", "key_share": 0.35, "tail_norm": False},
+    "tailnorm+v2w": {"value_bands": "8:1,2:22", "key_share": 0.35, "tail_norm": True},
+    "tailnorm+v2w+k2": {"tail_norm": True, "value_bands": "8:1,2:22", "coef_bands": "8:3,2:13",
+                        "key_share": 0.46},
 }
 
 

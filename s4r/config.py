@@ -11,7 +11,8 @@ from s4r.validation import check_ratio
 # ratio's (smaller ranks make a rebuilt token cheaper, and the lossier store needs more of them to keep what
 # a query attends), and the value coefficients, which score nothing, trade precision for rank
 HIGH_RATIO = 5.0
-HIGH_RATIO_VALUE_BANDS = "8:1,2:7"
+HIGH_RATIO_VALUE_BANDS = "8:1,2:22"
+HIGH_RATIO_KEY_SHARE = 0.35
 
 KeySpace = Literal["post_rope", "pre_rope"]
 Granularity = Literal["head", "layer"]
@@ -32,8 +33,9 @@ class S4RConfig:
     rank_k: int | None = None
     rank_v: int | None = None
     # share of the rank budget given to keys when the solver splits it: pre-RoPE keys are far more
-    # low-rank than values, so values get the larger share (docs/design.md, "Rank split")
-    key_share: float = 0.4
+    # low-rank than values, so values get the larger share (docs/design.md, "Rank split"). None: 0.4, past
+    # HIGH_RATIO 0.35 (docs/design.md, "Past 5x")
+    key_share: float | None = None
     # "uniform": the same ranks in every layer (split by key_share); "energy": ranks spread over layers
     # and between K and V by how much of each sample's energy a basis column captures
     rank_alloc: Literal["uniform", "energy"] = "uniform"
@@ -76,9 +78,13 @@ class S4RConfig:
     # trailing columns buy rank (docs/design.md, "Coefficient bands")
     coef_bands: str | None = "8:2,4:3,2:3"
     # bands of the value coefficients where they should differ from the keys' (None: `coef_bands`, or past
-    # HIGH_RATIO an int8 eighth and 2 bits for the rest). Value coefficients score nothing, so they can
+    # HIGH_RATIO a 1/23 int8 lead and 2 bits for the rest). Value coefficients score nothing, so they can
     # trade the wide int8 lead for rank
     value_bands: str | None = None
+    # the lower bands' columns coded in units of their own RMS over the sample (the scale folded into the
+    # basis column, so nothing more is stored): one step per token and band then fits every column.
+    # None: on past HIGH_RATIO, where most columns sit in the 2-bit band (docs/design.md, "Past 5x")
+    tail_norm: bool | None = None
 
     # decode
     local_window: int = 32
@@ -152,7 +158,7 @@ class S4RConfig:
             check_ratio(self.ratio, ValueError, name="ratio", upper=None)
         if self.ratio is None and (self.rank_k is None or self.rank_v is None):
             raise ValueError("give either a ratio or both rank_k and rank_v")
-        if not 0.0 < self.key_share < 1.0:
+        if self.key_share is not None and not 0.0 < self.key_share < 1.0:
             raise ValueError("key_share must be in (0, 1)")
         if self.dense_queries < 0:
             raise ValueError("dense_queries must be >= 0 (0: every step selects)")
@@ -245,9 +251,26 @@ class S4RConfig:
         if values and self.coef_dtype == "int8":
             if self.value_bands is not None:
                 return self.value_bands
-            if self.ratio and self.ratio > HIGH_RATIO:
+            if self.high_ratio:
                 return HIGH_RATIO_VALUE_BANDS
         return self.bands
+
+    @property
+    def high_ratio(self) -> bool:
+        """Whether the requested ratio is past HIGH_RATIO, where the presets below change."""
+        return bool(self.ratio and self.ratio > HIGH_RATIO)
+
+    @property
+    def rank_key_share(self) -> float:
+        """The keys' share of the rank the solver splits (`key_share`, or its preset for the ratio)."""
+        if self.key_share is not None:
+            return self.key_share
+        return HIGH_RATIO_KEY_SHARE if self.high_ratio else 0.4
+
+    @property
+    def tails_normed(self) -> bool:
+        """Whether the lower bands' columns are coded in units of their RMS (`tail_norm` or its preset)."""
+        return self.high_ratio if self.tail_norm is None else self.tail_norm
 
     def outlier_count(self, stored_tokens: int) -> int:
         """How many of `stored_tokens` are kept exact as outliers."""

@@ -10,6 +10,7 @@ from s4r.config import HIGH_RATIO_VALUE_BANDS, S4RConfig
 from s4r.core.budget import KVShape, solve_ranks, token_coef_bytes
 from s4r.core.coef_bands import decode_tails, encode_tails, parse_band_spec, plan_bands
 from s4r.core.compress import compress_layer
+from s4r.core.subspace import column_rms, project, project_scaled, reconstruct, scale_columns, unit_columns
 
 
 def test_spec_parsing_and_errors():
@@ -138,14 +139,62 @@ def test_value_bands_are_their_own_plan_and_bytes():
 
 
 def test_past_five_x_values_default_to_two_bits():
-    """Past HIGH_RATIO the values' preset is an int8 eighth and 2 bits; an explicit spec still wins,
-    5x keeps the keys' bands, and the preset's bytes stay within the ratio."""
+    """Past HIGH_RATIO the values' preset is a narrow int8 lead and 2 bits, with scaled lower columns and
+    more of the rank to the values; an explicit setting still wins, 5x keeps the keys' bands, and the
+    preset's bytes stay within the ratio."""
     shape = KVShape(layers=30, kv_heads=3, q_heads=9, head_dim=64, dtype_bytes=2)
     assert S4RConfig(ratio=5.0).band_spec(values=True) == "8:2,4:3,2:3"
-    assert S4RConfig(ratio=8.0).band_spec(values=True) == HIGH_RATIO_VALUE_BANDS == "8:1,2:7"
+    assert S4RConfig(ratio=8.0).band_spec(values=True) == HIGH_RATIO_VALUE_BANDS == "8:1,2:22"
+    assert (S4RConfig(ratio=5.0).tails_normed, S4RConfig(ratio=8.0).tails_normed) == (False, True)
+    assert S4RConfig(ratio=8.0, tail_norm=False).tails_normed is False
+    assert (S4RConfig(ratio=5.0).rank_key_share, S4RConfig(ratio=8.0).rank_key_share) == (0.4, 0.35)
+    assert S4RConfig(ratio=8.0, key_share=0.5).rank_key_share == 0.5
     assert S4RConfig(ratio=8.0).band_spec(values=False) == "8:2,4:3,2:3"
     assert S4RConfig(ratio=8.0, value_bands="8:2,4:3,2:3").band_spec(values=True) == "8:2,4:3,2:3"
     assert S4RConfig(ratio=8.0, coef_dtype="model").band_spec(values=True) is None
     preset = solve_ranks(shape, S4RConfig(ratio=8.0), tokens=4096)
     same = solve_ranks(shape, S4RConfig(ratio=8.0, value_bands="8:2,4:3,2:3"), tokens=4096)
     assert preset.rank_v > same.rank_v and preset.ratio >= 8.0
+
+
+def test_scaled_columns_project_as_the_orthonormal_basis():
+    """`scale_columns` folds each lower column's RMS into the basis: coefficients on it (`project_scaled`)
+    have unit RMS on the sample past `first`, rebuild the same projection, and `unit_columns` undoes it."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 400, 16) * torch.linspace(4.0, 0.05, 16)
+    basis = torch.linalg.qr(torch.randn(1, 16, 8)).Q
+    scaled = scale_columns(basis, column_rms(x, basis), first=2)
+    coef = project_scaled(x, scaled)
+    rms = coef.pow(2).mean(dim=1).sqrt()[0]
+    assert torch.allclose(rms[2:], torch.ones(6), atol=1e-4)
+    assert torch.allclose(coef[..., :2], project(x, basis)[..., :2], atol=1e-5)
+    assert torch.allclose(reconstruct(coef, scaled), reconstruct(project(x, basis), basis), atol=1e-4)
+    assert torch.allclose(unit_columns(scaled), basis, atol=1e-5)
+
+
+def test_tail_norm_codes_decaying_columns_closer_and_folds_alike():
+    """Columns whose variance decays within a band share one step per token; in units of their own RMS
+    (`tail_norm`) the small ones are no longer rounded to half a step, so attention over a full-rank
+    banded layer lands closer to the exact one, and tokens folded from the buffer later are coded on the
+    same scaled basis (a fold that projected them as on an orthonormal one would be far off)."""
+    torch.manual_seed(4)
+    heads, total, dim, extra = 2, 300, 32, 40
+    mix = decaying_mix(heads * dim)
+    keys, values, new_k, new_v = (mixed_tokens(n, mix, heads) for n in (total, total, extra, extra))
+    query = torch.randn(1, 2 * heads, 1, dim) * 0.1
+    ref = exact_attention(query, torch.cat([keys, new_k], 1), torch.cat([values, new_v], 1))
+    rank = heads * dim
+
+    def error(tail_norm: bool) -> float:
+        cfg = S4RConfig(key_space="post_rope", ratio=None, rank_k=rank, rank_v=rank, coef_bands="8:1,2:7",
+                        tail_norm=tail_norm, outlier_fraction=0.0, recon_fraction=1.0, local_window=0,
+                        buffer_tokens=8, fold_tokens=4)
+        layer = compress_layer(keys, values, None, cfg, rank, rank, None)
+        for i in range(extra):
+            k, v = layer.update(new_k[:, i : i + 1].unsqueeze(0), new_v[:, i : i + 1].unsqueeze(0))
+        assert layer.stored_coefs > total
+        out = layer.attend(query, k, v, dim**-0.5)
+        return float((out - ref).norm() / ref.norm())
+
+    plain, normed = error(False), error(True)
+    assert normed < 0.8 * plain, (normed, plain)

@@ -291,16 +291,23 @@ def test_an_extended_basis_adds_what_the_first_lacks_and_is_stored_once():
     torch.testing.assert_close(settled.attend(query, None, None, DIM**-0.5), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_extended_bases_keep_the_ratio_and_survive_save_load_and_truncation(model, tmp_path):
+@pytest.mark.parametrize("tail_norm", [False, True])
+def test_extended_bases_keep_the_ratio_and_survive_save_load_and_truncation(model, tmp_path, tail_norm):
+    """With `tail_norm` the bases carry their lower columns' scales: the segment keeps document 1's
+    (scaled) columns as they are stored and scales only its own."""
     sessions = {}
     for bases in ("own", "extend"):
-        session = _session(model, ratio=5.0, segment_bases=bases)
+        session = _session(model, ratio=5.0, segment_bases=bases, tail_norm=tail_norm)
         session.ingest(DOC1)
         first = session.logical_length
         session.ingest(DOC2)
         sessions[bases] = session
     own, extended = (sessions[b].cache.layers[0].segments[1] for b in ("own", "extend"))
     assert extended.shared_k > 0 and extended.basis_v.shape[-1] > own.basis_v.shape[-1]
+    doc1 = sessions["extend"].cache.layers[0].segments[0]
+    assert torch.equal(extended.basis_v[..., : extended.shared_v], doc1.basis_v)
+    scaled = (extended.basis_v.float().norm(dim=-2)[0] - 1).abs() > 1e-3
+    assert bool(scaled.any()) == tail_norm and not bool(scaled[: doc1.plan_v.lead].any())
     session = sessions["extend"]
     assert session.cache.ratio() >= 5.0
     session.save(tmp_path / "ext.s4r")

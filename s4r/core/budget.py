@@ -120,7 +120,7 @@ def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int, spare_bytes: float 
     assert cfg.ratio is not None
     budget = full / cfg.ratio + spare_bytes
     for total in range(2 * width, max(1, sum(shared) - 1), -1):
-        rk = min(width, max(1, shared[0], round(total * cfg.key_share)))
+        rk = min(width, max(1, shared[0], round(total * cfg.rank_key_share)))
         rv = min(width, max(shared[1], total - rk))
         if rv < 1:
             continue

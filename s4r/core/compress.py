@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from s4r.config import S4RConfig
+from s4r.core.band_plan import plan_bands
 from s4r.core.coef_bands import Encoded, encode_coefficients
 from s4r.core.rope import RopeFn, undo_rope
 from s4r.core.subspace import (
+    column_rms,
     fit_basis,
     hybrid_sample_indices,
     normalize_rows,
     project,
     project_queries,
+    project_scaled,
     relative_residual,
+    scale_columns,
+    unit_columns,
 )
 from s4r.layers.full import to_groups
 from s4r.layers.lowrank import LowRankLayer
@@ -35,10 +40,15 @@ class LayerBases:
     v: torch.Tensor  # [G, width, r_v] fp32
     energy_k: torch.Tensor | None = None  # [r_k]: share of the normalized sample's energy, summed over groups
     energy_v: torch.Tensor | None = None
+    # [G, r]: RMS of the (raw) sample's coefficients per column, for `tail_norm`
+    rms_k: torch.Tensor | None = None
+    rms_v: torch.Tensor | None = None
 
     def truncated(self, rank_k: int, rank_v: int) -> LayerBases:
         """The leading `rank_k` / `rank_v` columns."""
-        return LayerBases(self.k[..., :rank_k], self.v[..., :rank_v])
+        return LayerBases(self.k[..., :rank_k], self.v[..., :rank_v],
+                          rms_k=None if self.rms_k is None else self.rms_k[:, :rank_k],
+                          rms_v=None if self.rms_v is None else self.rms_v[:, :rank_v])
 
 
 def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
@@ -95,7 +105,10 @@ def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, ro
     k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
     basis_k, energy_k = _fit(k_sample, cfg, rank_k)
     basis_v, energy_v = _fit(v_sample, cfg, rank_v)
-    return LayerBases(basis_k, basis_v, energy_k, energy_v)
+    if not cfg.tails_normed:
+        return LayerBases(basis_k, basis_v, energy_k, energy_v)
+    return LayerBases(basis_k, basis_v, energy_k, energy_v, column_rms(k_sample, basis_k),
+                      column_rms(v_sample, basis_v))
 
 
 def _extended(sample: torch.Tensor, prefix: torch.Tensor, rank: int) -> torch.Tensor:
@@ -105,9 +118,10 @@ def _extended(sample: torch.Tensor, prefix: torch.Tensor, rank: int) -> torch.Te
     extra = rank - prefix.shape[-1]
     if extra <= 0:
         return prefix[..., :rank]
-    residual = sample - torch.matmul(torch.matmul(sample, prefix), prefix.transpose(1, 2))
+    unit = unit_columns(prefix)  # the prefix may carry its columns' scales (`scale_columns`)
+    residual = sample - torch.matmul(torch.matmul(sample, unit), unit.transpose(1, 2))
     new = fit_basis(residual, extra)
-    new = new - torch.matmul(prefix, torch.matmul(prefix.transpose(1, 2), new))
+    new = new - torch.matmul(unit, torch.matmul(unit.transpose(1, 2), new))
     return torch.cat([prefix, torch.linalg.qr(new).Q], dim=-1)
 
 
@@ -118,11 +132,14 @@ def extend_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
     stored there) and add the directions the normalized hybrid sample of these tokens needs most: an
     appended document's keys and values share most of their subspace with the first's (the model's), so
     the new columns go to what is its own."""
-    k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
-    if cfg.normalize:
-        k_sample, v_sample = normalize_rows(k_sample), normalize_rows(v_sample)
-    return LayerBases(_extended(k_sample, prefix_k.float(), rank_k),
-                      _extended(v_sample, prefix_v.float(), rank_v))
+    raw_k, raw_v = _hybrid_sample(keys, values, cfg, rope)
+    k_sample, v_sample = (normalize_rows(raw_k), normalize_rows(raw_v)) if cfg.normalize else (raw_k, raw_v)
+    basis_k = _extended(k_sample, prefix_k.float(), rank_k)
+    basis_v = _extended(v_sample, prefix_v.float(), rank_v)
+    if not cfg.tails_normed:
+        return LayerBases(basis_k, basis_v)
+    return LayerBases(basis_k, basis_v, rms_k=column_rms(raw_k, unit_columns(basis_k)),
+                      rms_v=column_rms(raw_v, unit_columns(basis_v)))
 
 
 def _per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -185,10 +202,14 @@ def worst_tokens(scores: torch.Tensor, count: int, exclude_tail: int = 0) -> tor
     return torch.topk(worst, count).indices.sort().values
 
 
-def _unexplained_share(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def _unexplained_share(x: torch.Tensor, coef: torch.Tensor,
+                       basis: torch.Tensor | None = None) -> torch.Tensor:
     """`relative_residual(x, basis)` from the coefficients `coef` = x @ basis already computed: the same
-    arithmetic without a second projection."""
+    arithmetic without a second projection. With `basis` (scaled columns, `scale_columns`), each
+    coefficient's energy is weighted by its column's squared length."""
     total = torch.linalg.vector_norm(x, dim=-1).pow(2).sum(dim=0)
+    if basis is not None:
+        coef = coef * basis.float().pow(2).sum(dim=-2, keepdim=True).sqrt()
     captured = coef.pow(2).sum(dim=(0, 2))
     return (total - captured).clamp_min(0) / total.clamp_min(1e-12)
 
@@ -224,23 +245,30 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope:
     worst = torch.empty(n, device=keys.device) if score_residuals else None
     for rows in token_blocks(n, block_tokens or COMPRESS_BLOCK):
         k_groups, v_groups = compressible_parts(keys, values, cfg, rope, rows)
-        proj_k, proj_v = project(k_groups, basis_k), project(v_groups, basis_v)
+        if cfg.tails_normed:
+            proj_k, proj_v = project_scaled(k_groups, basis_k), project_scaled(v_groups, basis_v)
+        else:
+            proj_k, proj_v = project(k_groups, basis_k), project(v_groups, basis_v)
         _store_rows(enc_k, encode_coefficients(proj_k, cfg, dtype), rows, n)
         _store_rows(enc_v, encode_coefficients(proj_v, cfg, dtype, values=True), rows, n)
         if worst is not None:
-            worst[rows] = _unexplained_share(k_groups, proj_k) + _unexplained_share(v_groups, proj_v)
+            scaled = cfg.tails_normed
+            worst[rows] = (_unexplained_share(k_groups, proj_k, basis_k if scaled else None)
+                           + _unexplained_share(v_groups, proj_v, basis_v if scaled else None))
     return tuple(enc_k), tuple(enc_v), worst
 
 
 def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, cfg: S4RConfig,
                    rank_k: int, rank_v: int, rope: RopeFn | None,
-                   bases: LayerBases | None = None, block_tokens: int | None = None) -> LowRankLayer:
+                   bases: LayerBases | None = None, block_tokens: int | None = None,
+                   shared: tuple[int, int] = (0, 0)) -> LowRankLayer:
     """S4R compression of one layer.
 
     keys/values: [H, T, d] post-RoPE (as the model produced them); queries: [Hq, W, d] post-RoPE, the
     last W queries of the prompt. Keeps the first `cfg.sinks` tokens as they are, fits rank_k/rank_v
     bases (unless `bases` are given: precomputed or offline ones, truncated to the ranks) and stores
     the coefficients of every non-sink token, `block_tokens` tokens at a time (see `encode_layer`).
+    `shared` (key, value): leading basis columns another segment stores, kept as they are.
     """
     heads, total, _ = keys.shape
     dtype = keys.dtype
@@ -248,6 +276,15 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     if bases is None:
         bases = fit_layer_bases(keys, values, cfg, rope, rank_k, rank_v)
     basis_k, basis_v = (b.float() for b in (bases.k[..., :rank_k], bases.v[..., :rank_v]))
+    if cfg.tails_normed:
+        if bases.rms_k is None or bases.rms_v is None:  # bases fitted elsewhere (offline, calibrated)
+            k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
+            bases = replace(bases, rms_k=column_rms(k_sample, basis_k), rms_v=column_rms(v_sample, basis_v))
+            del k_sample, v_sample
+        lead_k = max(plan_bands(rank_k, cfg.band_spec()).lead, shared[0])
+        lead_v = max(plan_bands(rank_v, cfg.band_spec(values=True)).lead, shared[1])
+        basis_k = scale_columns(basis_k, bases.rms_k[:, :rank_k], lead_k)
+        basis_v = scale_columns(basis_v, bases.rms_v[:, :rank_v], lead_v)
     n_out = cfg.outlier_count(total - s)
     has_queries = queries is not None and queries.shape[1] > 0
     by_attention = n_out > 0 and cfg.outlier_score == "attention" and has_queries
@@ -260,7 +297,7 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
         if by_attention:
             # post-RoPE keys for the logits whatever the basis space; the error itself is measured there
             k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
-            worst = attention_effect(k_groups, v_groups, basis_k, basis_v, keys,
+            worst = attention_effect(k_groups, v_groups, unit_columns(basis_k), unit_columns(basis_v), keys,
                                      queries[:, -cfg.query_window :], cfg.key_space == "post_rope")
             del k_groups, v_groups
         out_idx = worst_tokens(worst, n_out, cfg.local_window)

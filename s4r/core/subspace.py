@@ -53,6 +53,34 @@ def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.to(basis.dtype), basis)
 
 
+def project_scaled(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Coefficients of `x` [groups, tokens, width] on a basis of orthogonal columns of any length (an
+    orthonormal one whose columns were scaled, `scale_columns`): x . b_j / |b_j|^2, so that
+    `reconstruct(coef, basis)` is the projection of `x` on their span."""
+    basis = basis.float()
+    return torch.matmul(x.float(), basis) / basis.pow(2).sum(dim=-2, keepdim=True).clamp_min(1e-30)
+
+
+def column_rms(sample: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """RMS [G, r] over the tokens of `sample` [G, n, width] of its coefficients on `basis` [G, width, r]."""
+    return torch.matmul(sample.float(), basis.float()).pow(2).mean(dim=1).sqrt()
+
+
+def scale_columns(basis: torch.Tensor, rms: torch.Tensor, first: int) -> torch.Tensor:
+    """An orthonormal `basis` [G, width, r] whose columns from `first` on are scaled by `rms` [G, r] (the
+    RMS of a sample's coefficients on them, `column_rms`): coded on this basis (`project_scaled`) those
+    columns' coefficients have unit variance, so one quantizer step per token fits every column of a band."""
+    scale = rms.float().clamp_min(1e-12).clone()
+    scale[:, :first] = 1.0
+    return basis * scale.unsqueeze(1)
+
+
+def unit_columns(basis: torch.Tensor) -> torch.Tensor:
+    """`basis` with every column scaled to unit length (an orthonormal basis is returned as it is, up to
+    rounding): undoes `scale_columns`."""
+    return basis / basis.pow(2).sum(dim=-2, keepdim=True).sqrt().clamp_min(1e-30)
+
+
 def reconstruct(coef: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """Token vectors from coefficients: coef [groups, tokens, rank] @ basis^T."""
     return torch.matmul(coef, basis.transpose(-1, -2))

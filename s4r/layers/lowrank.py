@@ -25,7 +25,7 @@ from s4r.core.coef_bands import Encoded, encode_coefficients, plan_bands
 from s4r.core.latent import gather_value_rows, merged_attention
 from s4r.core.rope import RopeFn, undo_rope
 from s4r.core.selection import decay_factor
-from s4r.core.subspace import head_blocks, project, relative_residual
+from s4r.core.subspace import head_blocks, project, project_scaled, relative_residual, unit_columns
 from s4r.hf.attention import causal_mask, handoff
 from s4r.layers.full import CacheLayer, tensor_bytes, to_groups
 from s4r.layers.growable import cloned, contiguous, grown
@@ -175,8 +175,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def _encode(self, x: torch.Tensor, basis: torch.Tensor, values: bool = False) -> Encoded:
-        return encode_coefficients(project(to_groups(x, basis.shape[0]).float(), basis.float()), self.cfg,
-                                   self.dtype, values)
+        groups = to_groups(x, basis.shape[0]).float()
+        coef = project_scaled(groups, basis) if self.cfg.tails_normed else project(groups, basis.float())
+        return encode_coefficients(coef, self.cfg, self.dtype, values)
 
     def _append_coefs(self, ck, sk, cv, sv, tails=(None, None, None, None)) -> None:
         n, m = self._n, ck.shape[1]
@@ -232,8 +233,9 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         if not count:
             return torch.zeros(0, dtype=torch.long, device=k.device)
         groups = self.basis_k.shape[0]
-        worst = (relative_residual(to_groups(k, groups).float(), self.basis_k.float())
-                 + relative_residual(to_groups(v, groups).float(), self.basis_v.float()))
+        unit_k, unit_v = (unit_columns(b.float()) for b in (self.basis_k, self.basis_v))
+        worst = (relative_residual(to_groups(k, groups).float(), unit_k)
+                 + relative_residual(to_groups(v, groups).float(), unit_v))
         return torch.topk(worst, count).indices.sort().values
 
     # --- cache protocol ---------------------------------------------------------------------------
@@ -372,8 +374,10 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return {key: value for key in self._STATE if (value := getattr(self, key)) is not None}
 
     def meta_state(self) -> dict:
-        # the value bands in force are written out, so a file reads back as stored whatever the presets become
-        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True)}}
+        # the value bands and tail scaling in force are written out: a file reads back as stored whatever the
+        # presets become
+        meta = {"config": {**self.cfg.to_dict(), "value_bands": self.cfg.band_spec(values=True),
+                           "tail_norm": self.cfg.tails_normed}}
         if self.shared_k or self.shared_v:
             meta["shared"] = [self.shared_k, self.shared_v]
         return meta
@@ -384,6 +388,7 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         config = dict(meta["config"])
         if config.get("value_bands") is None:  # written before the ratio presets: values used the keys' bands
             config["value_bands"] = config.get("coef_bands") or "8:1"  # "8:1": every column int8
+        config.setdefault("tail_norm", False)  # written before it: orthonormal bases
         layer = cls(cfg=S4RConfig(**config), rope=rope, **parts)
         layer.shared_k, layer.shared_v = meta.get("shared", (0, 0))
         layer.set_buffer(state["buf_k"], state["buf_v"])

@@ -234,7 +234,8 @@ def new_segment(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, shape:
                 and plan.rank_k + plan.rank_v > sum(shared)):
             bases = extend_layer_bases(keys, values, seg_cfg, rope, before.basis_k, before.basis_v,
                                        plan.rank_k, plan.rank_v)
-            segment = compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, rope, bases=bases)
+            segment = compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, rope, bases=bases,
+                                     shared=shared)
             segment.shared_k, segment.shared_v = shared
             return segment
     plan = solve_ranks(shape, seg_cfg, n, spare_bytes)
