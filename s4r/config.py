@@ -7,9 +7,10 @@ from typing import Any, Literal
 
 from s4r.validation import check_ratio
 
-# past this ratio two presets change (docs/design.md, "Past 5x"): a step's rebuild budget stays at this
+# past this ratio the presets change (docs/design.md, "Past 5x"): a step's rebuild budget stays at this
 # ratio's (smaller ranks make a rebuilt token cheaper, and the lossier store needs more of them to keep what
-# a query attends), and the value coefficients, which score nothing, trade precision for rank
+# a query attends); the value coefficients, which score nothing, trade precision for rank and take more of
+# it; the lower bands' columns are coded in units of their own RMS
 HIGH_RATIO = 5.0
 HIGH_RATIO_VALUE_BANDS = "8:1,2:22"
 HIGH_RATIO_KEY_SHARE = 0.35

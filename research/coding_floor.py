@@ -1,0 +1,111 @@
+"""How far S4R's stored keys and values are from the rate-distortion bound at the bits they spend.
+
+    python -m research.coding_floor --ratio 8 --length 4096 --json out.json
+
+One needle sample of the tuning book is prefilled exactly; every layer is compressed at `--ratio` as the
+cache would store it, and every stored token is rebuilt from its coefficients (outliers exact). Per layer
+and kind, the relative error (lost energy over energy, non-sink tokens) is set beside the least error any
+code of the same bits per token could reach on a Gaussian source with the tokens' covariance (reverse
+water-filling over its eigenvalues): the gap in dB is what better coding could still buy at that ratio.
+The bits are the coefficients' (codes, scales and steps per token), not the bases or outliers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from research.progress import ElapsedLog, measuring_parser
+from s4r.bench.tasks import TUNING_BOOK, make_samples
+from s4r.config import S4RConfig
+from s4r.core.budget import KVShape, solve_ranks, token_coef_bytes
+from s4r.core.compress import compress_layer, compressible_parts
+from s4r.layers.full import staged_tensors
+from s4r.layers.lowrank_dense import layer_tokens_reference
+from s4r.runtime.session import Session
+
+__all__ = ["gaussian_bound", "layer_errors"]
+
+
+def gaussian_bound(eigenvalues: torch.Tensor, bits: float) -> float:
+    """Least relative error of any code spending `bits` per vector on a Gaussian source whose covariance
+    has these eigenvalues: reverse water-filling (each component costs max(0, log2(lambda / theta) / 2)
+    bits and keeps min(lambda, theta) of error), as a share of the total energy."""
+    lam = eigenvalues.double().clamp_min(0)
+    lo, hi = 1e-30, float(lam.max())
+    for _ in range(200):  # bisection on the water level theta, in log space
+        theta = math.sqrt(lo * hi)
+        spent = float(torch.clamp(0.5 * torch.log2(lam.clamp_min(1e-300) / theta), min=0).sum())
+        lo, hi = (theta, hi) if spent > bits else (lo, theta)
+    return float(torch.minimum(lam, torch.tensor(hi, dtype=lam.dtype)).sum() / lam.sum())
+
+
+def layer_errors(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_k: int, rank_v: int,
+                 rope) -> dict[str, dict[str, float]]:
+    """For one staged layer (post-RoPE keys and values [H, T, d]): per kind, the stored tokens' relative
+    error, the coefficient bits per token and the Gaussian bound at those bits."""
+    layer = compress_layer(keys, values, None, cfg, rank_k, rank_v, rope)
+    s, n = layer.sinks, layer.stored_coefs
+    k_hat, v_hat = torch.empty_like(keys[:, s:]), torch.empty_like(values[:, s:])
+    layer_tokens_reference(layer, k_hat, v_hat)
+    if layer.out_idx is not None:  # outliers are kept exact
+        idx = layer.out_idx.long()
+        k_hat[:, idx], v_hat[:, idx] = keys[:, s + idx], values[:, s + idx]
+    k_pre, v_pre = compressible_parts(keys, values, cfg, rope)  # the spaces the bases live in
+    out = {}
+    for kind, exact, approx, pre, rank, is_v in (("K", keys[:, s:], k_hat, k_pre, rank_k, False),
+                                                  ("V", values[:, s:], v_hat, v_pre, rank_v, True)):
+        err = float((exact.float() - approx.float()).pow(2).sum() / exact.float().pow(2).sum())
+        bits = 8 * token_coef_bytes(cfg, rank, keys.element_size(), values=is_v)
+        x = pre[0] if pre.shape[0] == 1 else pre.transpose(0, 1).reshape(n, -1)
+        eig = torch.linalg.eigvalsh(x.double().T @ x.double() / n)
+        bound = gaussian_bound(eig, bits * pre.shape[0])
+        out[kind] = {"error": err, "bits": bits * pre.shape[0], "bound": bound,
+                     "gap_db": 10 * math.log10(err / max(bound, 1e-30))}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m research.coding_floor [--ratio 8] [--length 4096] [--seed 0] [--json PATH]`."""
+    from s4r.models.loading import load_model
+
+    parser = measuring_parser("python -m research.coding_floor", main.__doc__, length=4096, book=TUNING_BOOK)
+    parser.add_argument("--ratio", type=float, default=8.0)
+    parser.add_argument("--task", default="niah_multivalue")
+    args = parser.parse_args(argv)
+    loaded = load_model(args.model)
+    note = ElapsedLog()
+    tok = loaded.tokenizer
+    sample = make_samples(args.task, args.length, 1, args.seed,
+                          lambda s: len(tok.encode(s, add_special_tokens=False)), book=args.book)[0]
+    staged = Session(loaded, method="full")
+    staged.ingest(sample.context, compress=False)
+    cfg = S4RConfig(ratio=args.ratio)
+    shape = KVShape.from_config(loaded.model.config, loaded.dtype.itemsize)
+    plan = solve_ranks(shape, cfg, staged.logical_length)
+    rows = []
+    for i, layer in enumerate(staged.cache.layers):
+        keys, values, _ = staged_tensors(layer)
+        rows.append(layer_errors(keys, values, cfg, plan.rank_k, plan.rank_v, staged.rope))
+        note(f"layer {i}: " + ", ".join(f"{k} error {r['error']:.4f} bound {r['bound']:.4f} "
+                                         f"({r['gap_db']:+.1f} dB)"
+                                         for k, r in rows[-1].items()))
+    summary = {}
+    for kind in ("K", "V"):
+        err = sum(r[kind]["error"] for r in rows) / len(rows)
+        bound = sum(r[kind]["bound"] for r in rows) / len(rows)
+        gaps = sorted(r[kind]["gap_db"] for r in rows)
+        summary[kind] = {"error": err, "bound": bound, "gap_db_median": gaps[len(gaps) // 2],
+                         "gap_db_min": gaps[0], "gap_db_max": gaps[-1], "bits": rows[0][kind]["bits"]}
+        rank = plan.rank_k if kind == "K" else plan.rank_v
+        print(f"{kind}: rank {rank}, {rows[0][kind]['bits']} bits/token, "
+              f"mean error {err:.4f}, mean bound {bound:.4f}, gap median {gaps[len(gaps) // 2]:+.1f} dB "
+              f"[{gaps[0]:+.1f}, {gaps[-1]:+.1f}] over {len(rows)} layers")
+    note.finish(args.json, {"ratio": args.ratio, "rank_k": plan.rank_k, "rank_v": plan.rank_v,
+                            "layers": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
