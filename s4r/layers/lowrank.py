@@ -233,7 +233,8 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         if not count:
             return torch.zeros(0, dtype=torch.long, device=k.device)
         groups = self.basis_k.shape[0]
-        unit_k, unit_v = (unit_columns(b.float()) for b in (self.basis_k, self.basis_v))
+        unit_k, unit_v = (unit_columns(b.float()) if self.cfg.tails_normed else b.float()
+                          for b in (self.basis_k, self.basis_v))
         worst = (relative_residual(to_groups(k, groups).float(), unit_k)
                  + relative_residual(to_groups(v, groups).float(), unit_v))
         return torch.topk(worst, count).indices.sort().values
