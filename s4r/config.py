@@ -13,6 +13,7 @@ from s4r.validation import check_ratio
 # it; the lower bands' columns are coded in units of their own RMS
 HIGH_RATIO = 5.0
 HIGH_RATIO_VALUE_BANDS = "8:1,2:22"
+KEY_SHARE = 0.4
 HIGH_RATIO_KEY_SHARE = 0.35
 
 KeySpace = Literal["post_rope", "pre_rope"]
@@ -266,7 +267,7 @@ class S4RConfig:
         """The keys' share of the rank the solver splits (`key_share`, or its preset for the ratio)."""
         if self.key_share is not None:
             return self.key_share
-        return HIGH_RATIO_KEY_SHARE if self.high_ratio else 0.4
+        return HIGH_RATIO_KEY_SHARE if self.high_ratio else KEY_SHARE
 
     @property
     def tails_normed(self) -> bool:

@@ -11,13 +11,12 @@ from s4r.core.band_plan import plan_bands
 from s4r.core.coef_bands import Encoded, encode_coefficients
 from s4r.core.rope import RopeFn, undo_rope
 from s4r.core.subspace import (
+    coefficients,
     column_rms,
     fit_basis,
     hybrid_sample_indices,
     normalize_rows,
-    project,
     project_queries,
-    project_scaled,
     relative_residual,
     scale_columns,
     unit_columns,
@@ -245,14 +244,11 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope:
     worst = torch.empty(n, device=keys.device) if score_residuals else None
     for rows in token_blocks(n, block_tokens or COMPRESS_BLOCK):
         k_groups, v_groups = compressible_parts(keys, values, cfg, rope, rows)
-        if cfg.tails_normed:
-            proj_k, proj_v = project_scaled(k_groups, basis_k), project_scaled(v_groups, basis_v)
-        else:
-            proj_k, proj_v = project(k_groups, basis_k), project(v_groups, basis_v)
+        scaled = cfg.tails_normed
+        proj_k, proj_v = coefficients(k_groups, basis_k, scaled), coefficients(v_groups, basis_v, scaled)
         _store_rows(enc_k, encode_coefficients(proj_k, cfg, dtype), rows, n)
         _store_rows(enc_v, encode_coefficients(proj_v, cfg, dtype, values=True), rows, n)
         if worst is not None:
-            scaled = cfg.tails_normed
             worst[rows] = (_unexplained_share(k_groups, proj_k, basis_k if scaled else None)
                            + _unexplained_share(v_groups, proj_v, basis_v if scaled else None))
     return tuple(enc_k), tuple(enc_v), worst

@@ -61,6 +61,12 @@ def project_scaled(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.float(), basis) / basis.pow(2).sum(dim=-2, keepdim=True).clamp_min(1e-30)
 
 
+def coefficients(x: torch.Tensor, basis: torch.Tensor, scaled: bool) -> torch.Tensor:
+    """Coefficients of `x` on `basis`: `project_scaled` when its columns carry scales (`scale_columns`),
+    else `project`."""
+    return project_scaled(x, basis) if scaled else project(x, basis)
+
+
 def column_rms(sample: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """RMS [G, r] over the tokens of `sample` [G, n, width] of its coefficients on `basis` [G, width, r]."""
     return torch.matmul(sample.float(), basis.float()).pow(2).mean(dim=1).sqrt()

@@ -25,7 +25,7 @@ from s4r.core.coef_bands import Encoded, encode_coefficients, plan_bands
 from s4r.core.latent import gather_value_rows, merged_attention
 from s4r.core.rope import RopeFn, undo_rope
 from s4r.core.selection import decay_factor
-from s4r.core.subspace import head_blocks, project, project_scaled, relative_residual, unit_columns
+from s4r.core.subspace import coefficients, head_blocks, relative_residual, unit_columns
 from s4r.hf.attention import causal_mask, handoff
 from s4r.layers.full import CacheLayer, tensor_bytes, to_groups
 from s4r.layers.growable import cloned, contiguous, grown
@@ -175,8 +175,7 @@ class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def _encode(self, x: torch.Tensor, basis: torch.Tensor, values: bool = False) -> Encoded:
-        groups = to_groups(x, basis.shape[0]).float()
-        coef = project_scaled(groups, basis) if self.cfg.tails_normed else project(groups, basis.float())
+        coef = coefficients(to_groups(x, basis.shape[0]).float(), basis.float(), self.cfg.tails_normed)
         return encode_coefficients(coef, self.cfg, self.dtype, values)
 
     def _append_coefs(self, ck, sk, cv, sv, tails=(None, None, None, None)) -> None:
