@@ -34,4 +34,6 @@ def test_a_stored_layer_sits_above_the_bound_at_its_own_bits():
     assert out["V"]["bits"] == 8 * token_coef_bytes(cfg, 32, 4, values=True)
     for kind in ("K", "V"):
         assert 0.0 < out[kind]["bound"] < out[kind]["error"] < 1.0, out[kind]
+        # the same bits on the stored rank's best subspace alone lose more than spread over every component
+        assert out[kind]["bound"] < out[kind]["bound_in_rank"] < out[kind]["error"], out[kind]
         assert out[kind]["gap_db"] > 0.0
