@@ -7,8 +7,9 @@ cache would store it, and every stored token is rebuilt from its coefficients (o
 and kind, the relative error (lost energy over energy, non-sink tokens) is set beside the least error any
 code of the same bits per token could reach on a Gaussian source with the tokens' covariance (reverse
 water-filling over its eigenvalues): the gap in dB is what better coding could still buy at that ratio.
-The bound within the rank spends the same bits on the best subspace of the stored rank alone. The bits
-are the coefficients' (codes, scales and steps per token), not the bases or outliers.
+The bound within the rank spends the same bits on the best subspace of the stored rank alone; the charged
+bound may use more components or fewer, paying for each basis column past the rank out of the same bits.
+The bits are the coefficients' (codes, scales and steps per token), not the bases or outliers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from s4r.layers.full import staged_tensors
 from s4r.layers.lowrank_dense import layer_tokens_reference
 from s4r.runtime.session import Session
 
-__all__ = ["gaussian_bound", "layer_errors", "stored_tokens", "water_level"]
+__all__ = ["basis_column_bits", "charged_bound", "gaussian_bound", "layer_errors", "stored_tokens",
+           "water_level"]
 
 
 def water_level(eigenvalues: torch.Tensor, bits: float) -> float:
@@ -49,6 +51,34 @@ def gaussian_bound(eigenvalues: torch.Tensor, bits: float) -> float:
     lam = eigenvalues.double().clamp_min(0)
     theta = torch.tensor(water_level(lam, bits), dtype=lam.dtype)
     return float(torch.minimum(lam, theta).sum() / lam.sum())
+
+
+def basis_column_bits(width: int, dtype_bytes: int, tokens: int) -> float:
+    """Bits per stored token that one more basis column of `width` rows costs over `tokens` tokens."""
+    return 8.0 * width * dtype_bytes / max(tokens, 1)
+
+
+def charged_bound(eigenvalues: torch.Tensor, bits: float, rank: int, column_bits: float) -> tuple[float, int]:
+    """`gaussian_bound` for a code that also pays for its basis: coding the top m components costs
+    `column_bits` per vector for each basis column past `rank` (and frees as much for each one short of
+    it), so they share `bits - (m - rank) * column_bits`. The least relative error over m, and that m."""
+    lam = eigenvalues.double().clamp_min(1e-300).sort(descending=True).values
+    d, total = lam.numel(), float(lam.sum())
+    log_lam = lam.log2()
+    zero = lam.new_zeros(1)
+    prefix = torch.cat([zero, log_lam.cumsum(0)])  # prefix[j]: the top j components' log2 energies
+    tail = total - torch.cat([zero, lam.cumsum(0)])  # tail[j]: the energy past the top j
+    j = torch.arange(1, d + 1, dtype=lam.dtype)
+    spend = bits - (j - rank) * column_bits  # [m]: the bits m paid components share
+    log_theta = (prefix[1:].unsqueeze(0) - 2 * spend.unsqueeze(1)) / j.unsqueeze(0)  # [m, j]
+    # water-filling over the top m keeps the components above their own level: a prefix of j <= m
+    above = (log_lam.unsqueeze(0) > log_theta) & (j.unsqueeze(0) <= j.unsqueeze(1))
+    active = above.sum(dim=1)  # [m]
+    theta = torch.where(active > 0, log_theta.gather(1, (active - 1).clamp_min(0).unsqueeze(1))[:, 0].exp2(),
+                        lam.new_zeros(d))
+    error = (active * theta + tail[active]) / total
+    best = int(error.argmin())
+    return float(error[best]), best + 1
 
 
 def stored_tokens(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +114,11 @@ def layer_errors(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_
         top = eig.flip(0)[: rank * pre.shape[0]]
         in_rank = (gaussian_bound(top, bits * pre.shape[0]) * float(top.sum())
                    + float(eig.sum() - top.sum())) / float(eig.sum())
+        # and with each basis column past the stored rank paid for out of the same bytes
+        charged, _ = charged_bound(eig, bits * pre.shape[0], rank * pre.shape[0],
+                                   basis_column_bits(x.shape[1], keys.element_size(), n))
         out[kind] = {"error": err, "bits": bits * pre.shape[0], "bound": bound, "bound_in_rank": in_rank,
+                     "bound_charged": charged,
                      "gap_db": 10 * math.log10(err / max(bound, 1e-30))}
     return out
 
@@ -119,13 +153,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         err = sum(r[kind]["error"] for r in rows) / len(rows)
         bound = sum(r[kind]["bound"] for r in rows) / len(rows)
         in_rank = sum(r[kind]["bound_in_rank"] for r in rows) / len(rows)
+        charged = sum(r[kind]["bound_charged"] for r in rows) / len(rows)
         gaps = sorted(r[kind]["gap_db"] for r in rows)
-        summary[kind] = {"error": err, "bound": bound, "bound_in_rank": in_rank,
+        summary[kind] = {"error": err, "bound": bound, "bound_in_rank": in_rank, "bound_charged": charged,
                          "gap_db_median": gaps[len(gaps) // 2],
                          "gap_db_min": gaps[0], "gap_db_max": gaps[-1], "bits": rows[0][kind]["bits"]}
         rank = plan.rank_k if kind == "K" else plan.rank_v
         print(f"{kind}: rank {rank}, {rows[0][kind]['bits']} bits/token, "
-              f"mean error {err:.4f}, mean bound {bound:.4f} ({in_rank:.4f} within the rank), "
+              f"mean error {err:.4f}, mean bound {bound:.4f} ({in_rank:.4f} within the rank, "
+              f"{charged:.4f} paying for its basis), "
               f"gap median {gaps[len(gaps) // 2]:+.1f} dB "
               f"[{gaps[0]:+.1f}, {gaps[-1]:+.1f}] over {len(rows)} layers")
     note.finish(args.json, {"ratio": args.ratio, "rank_k": plan.rank_k, "rank_v": plan.rank_v,

@@ -11,7 +11,10 @@ Every sample is prefilled once, exactly, and answered greedily (scored as `s4r b
 - `bound@R`: every non-sink token through the Gaussian rate-distortion test channel at the coefficient
   bits `s4r@R` spends per token in that layer (reverse water-filling over the tokens' covariance in the
   spaces S4R's bases live in, `research.coding_floor`), in an exact cache: what a transform code that
-  reaches the bound would score at those bits, with nothing lost to selection.
+  reaches the bound would score at those bits, with nothing lost to selection;
+- `charged@R`: the same channel, its bits also paying for each basis column past `s4r@R`'s ranks (the
+  bound charges the coefficients only; at a few thousand tokens a 192-wide bf16 column costs ~0.8 bits
+  per token), over the number of components `research.coding_floor.charged_bound` finds best.
 The JSON is `s4r bench --json`'s accuracy record, so `research.merge_runs` tabulates it (paired gaps).
 """
 
@@ -23,7 +26,7 @@ from dataclasses import asdict
 
 import torch
 
-from research.coding_floor import stored_tokens, water_level
+from research.coding_floor import basis_column_bits, charged_bound, stored_tokens, water_level
 from research.progress import ElapsedLog, measuring_parser
 from s4r.bench.config import BenchConfig
 from s4r.bench.records import AccuracyRecord
@@ -36,19 +39,23 @@ from s4r.core.rope import RopeFn, apply_rope
 from s4r.layers.full import FullLayer
 from s4r.runtime.session import Session
 
-__all__ = ["bound_tokens", "exact_copy", "gaussian_channel", "oracle_forks"]
+__all__ = ["ORACLES", "bound_tokens", "exact_copy", "gaussian_channel", "oracle_forks"]
 
 Replace = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def gaussian_channel(x: torch.Tensor, bits: float, generator: torch.Generator) -> torch.Tensor:
+def gaussian_channel(x: torch.Tensor, bits: float, generator: torch.Generator,
+                     components: int | None = None) -> torch.Tensor:
     """Vectors `x` [n, D] as the Gaussian rate-distortion test channel at `bits` per vector returns them:
     in the eigenbasis of their covariance, a component of variance lambda above the water level theta
     becomes a * y + noise (a = 1 - theta / lambda, noise variance a * theta), one below it becomes 0; each
-    keeps min(lambda, theta) of squared error, the least any code of those bits reaches on a Gaussian."""
+    keeps min(lambda, theta) of squared error, the least any code of those bits reaches on a Gaussian.
+    `components`: only the top ones get bits (the others become 0)."""
     xd = x.double()
-    lam, vec = torch.linalg.eigh(xd.T @ xd / x.shape[0])
+    lam, vec = torch.linalg.eigh(xd.T @ xd / x.shape[0])  # ascending
     lam = lam.clamp_min(0)
+    if components is not None:
+        lam[: max(lam.numel() - components, 0)] = 0
     theta = water_level(lam, bits)
     gain = (1 - theta / lam.clamp_min(1e-300)).clamp_min(0)
     noise = (gain * theta).sqrt()
@@ -65,10 +72,12 @@ def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def bound_tokens(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_k: int, rank_v: int,
-                 rope: RopeFn | None, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                 rope: RopeFn | None, generator: torch.Generator,
+                 charge_bases: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-sink keys and values [H, n, d] (post-RoPE, model dtype) of one layer through `gaussian_channel` at
     the coefficient bits per token S4R stores at these ranks (all basis groups of a token coded as one
-    vector, as `research.coding_floor` bounds them)."""
+    vector, as `research.coding_floor` bounds them). `charge_bases`: the bits also pay for each basis
+    column past S4R's rank, over the components `research.coding_floor.charged_bound` finds best."""
     heads, total, _ = keys.shape
     s = min(cfg.sinks, total)
     out = []
@@ -76,7 +85,14 @@ def bound_tokens(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_
     for pre, rank, is_v in zip(parts, (rank_k, rank_v), (False, True), strict=True):
         groups, n, width = pre.shape
         bits = 8 * token_coef_bytes(cfg, rank, keys.element_size(), values=is_v) * groups
-        coded = gaussian_channel(pre.transpose(0, 1).reshape(n, -1), bits, generator)
+        x = pre.transpose(0, 1).reshape(n, -1)
+        used = None
+        if charge_bases:
+            xd = x.double()
+            column = basis_column_bits(x.shape[1], keys.element_size(), n)
+            _, used = charged_bound(torch.linalg.eigvalsh(xd.T @ xd / n), bits, rank * groups, column)
+            bits -= (used - rank * groups) * column
+        coded = gaussian_channel(x, bits, generator, used)
         out.append(_to_heads(coded.reshape(n, groups, width).transpose(0, 1), heads))
     k_hat, v_hat = out
     if cfg.key_space == "pre_rope":
@@ -97,19 +113,32 @@ def exact_copy(staged: Session, replace: Replace, sinks: int) -> Session:
     return fork
 
 
-def oracle_forks(staged: Session, s4r: Session, generator: torch.Generator) -> tuple[Session, Session]:
-    """Exact-cache forks of `staged` holding (the tokens S4R fork `s4r` stores, rebuilt; every token through
-    `gaussian_channel` at the bits `s4r` spends per token in each layer)."""
+ORACLES = ("stored", "bound", "charged")
+
+
+def oracle_forks(staged: Session, s4r: Session, seed: int,
+                 names: Sequence[str] = ORACLES) -> dict[str, Session]:
+    """Exact-cache forks of `staged`, by name: "stored", the tokens S4R fork `s4r` stores, rebuilt;
+    "bound", every token through `gaussian_channel` at the bits `s4r` spends per token in each layer;
+    "charged", the same with those bits also paying for basis columns past `s4r`'s ranks. "bound" draws
+    its noise from `seed`, "charged" from seed + 1."""
     layers = s4r.cache.layers
     sinks = layers[0].sinks
 
-    def coded(i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = layers[i]
-        return bound_tokens(keys, values, layer.cfg, layer.basis_k.shape[-1], layer.basis_v.shape[-1],
-                            staged.rope, generator)
+    def coded(charge: bool, generator: torch.Generator) -> Replace:
+        def replace(i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            layer = layers[i]
+            return bound_tokens(keys, values, layer.cfg, layer.basis_k.shape[-1], layer.basis_v.shape[-1],
+                                staged.rope, generator, charge_bases=charge)
+        return replace
 
-    stored = exact_copy(staged, lambda i, keys, values: stored_tokens(layers[i], keys, values), sinks)
-    return stored, exact_copy(staged, coded, sinks)
+    def make(name: str) -> Replace:
+        if name == "stored":
+            return lambda i, keys, values: stored_tokens(layers[i], keys, values)
+        generator = torch.Generator().manual_seed(seed + (name == "charged"))
+        return coded(name == "charged", generator)
+
+    return {name: exact_copy(staged, make(name), sinks) for name in names}
 
 
 def answer(session: Session, sample: Sample, index: int, method: str, ratio: float, length: int,
@@ -137,8 +166,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tasks", default="niah_single_book,niah_multikey,niah_multivalue,niah_multiquery")
     parser.add_argument("--first-index", type=int, default=0,
                         help="sample index of the first sample in the record (to merge runs of other seeds)")
+    parser.add_argument("--methods", default="full,s4r," + ",".join(ORACLES),
+                        help=f"which answer: full, s4r and any of {', '.join(ORACLES)}")
     args = parser.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",") if r]
+    methods = [m for m in args.methods.split(",") if m]
+    if unknown := set(methods) - {"full", "s4r", *ORACLES}:
+        parser.error(f"unknown method(s) {', '.join(sorted(unknown))}")
+    oracles = [m for m in ORACLES if m in methods]
     loaded = load_model(args.model)
     tok = loaded.tokenizer
 
@@ -155,16 +190,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             budget = answer_budget(sample, count, cap)
             staged = Session(loaded, method="full")
             staged.ingest(sample.context, compress=False)
-            full = staged.fork(method="full", ratio=1.0)
-            rows = [answer(full, sample, index, "full", 1.0, args.length, budget, full)]
+            rows = []
+            if "full" in methods:
+                full = staged.fork(method="full", ratio=1.0)
+                rows.append(answer(full, sample, index, "full", 1.0, args.length, budget, full))
             for ratio in ratios:
                 s4r = staged.fork(method="s4r", ratio=ratio)
-                gen = torch.Generator().manual_seed(1000 * index + int(10 * ratio))
-                stored, bound = oracle_forks(staged, s4r, gen)
+                forks = oracle_forks(staged, s4r, 1000 * index + int(10 * ratio), oracles)
                 # the oracles first: their records take `s4r`'s bytes before it asks
-                rows += [answer(stored, sample, index, "stored", ratio, args.length, budget, s4r),
-                         answer(bound, sample, index, "bound", ratio, args.length, budget, s4r),
-                         answer(s4r, sample, index, "s4r", ratio, args.length, budget, s4r)]
+                rows += [answer(fork, sample, index, name, ratio, args.length, budget, s4r)
+                         for name, fork in forks.items()]
+                if "s4r" in methods:
+                    rows.append(answer(s4r, sample, index, "s4r", ratio, args.length, budget, s4r))
             records += rows
             note(f"{task} #{index}: " + ", ".join(f"{r.method}@{r.ratio:g} {r.score:.0f}" for r in rows))
     note.finish(args.json, {"accuracy": {"samples": [asdict(r) for r in records]},

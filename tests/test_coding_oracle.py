@@ -72,7 +72,9 @@ def test_exact_forks_hold_the_replaced_tokens_and_keep_the_sinks():
     staged.ingest(TEXT, compress=False)
     before = [layer.keys_view.clone() for layer in staged.cache.layers]
     s4r = staged.fork(method="s4r", ratio=4.0)
-    stored, bound = oracle_forks(staged, s4r, torch.Generator().manual_seed(0))
+    forks = oracle_forks(staged, s4r, 0)
+    stored, bound = forks["stored"], forks["bound"]
+    assert set(forks) == {"stored", "bound", "charged"}
     sinks = s4r.cache.layers[0].sinks
     for i, layer in enumerate(staged.cache.layers):
         keys, values = layer.keys_view[0], layer.values_view[0]
@@ -81,10 +83,28 @@ def test_exact_forks_hold_the_replaced_tokens_and_keep_the_sinks():
         got = stored.cache.layers[i]
         assert torch.equal(got.keys_view[0, :, sinks:], want_k)
         assert torch.equal(got.values_view[0, :, sinks:], want_v)
-        for fork in (stored, bound):
+        for fork in forks.values():
             assert torch.equal(fork.cache.layers[i].keys_view[0, :, :sinks], keys[:, :sinks])
         assert not torch.equal(bound.cache.layers[i].values_view[0, :, sinks:], values[:, sinks:])
     # a fork that replaces nothing answers as the exact cache
     same = exact_copy(staged, lambda i, k, v: (k[:, sinks:], v[:, sinks:]), sinks)
     full = staged.fork(method="full", ratio=1.0)
     assert same.ask("what?", max_new_tokens=6)[0] == full.ask("what?", max_new_tokens=6)[0]
+
+
+def test_the_channel_codes_only_the_components_it_is_given():
+    x = gaussian_tokens(2000, 16)
+    top4 = gaussian_channel(x, 200.0, torch.Generator(), components=4)
+    eig, vec = torch.linalg.eigh(x.double().T @ x.double() / x.shape[0])
+    kept = x.double() @ vec[:, -4:] @ vec[:, -4:].T  # the top 4 components, exact at 200 bits
+    assert relative_error(kept, top4) < 1e-6 and relative_error(x, top4) > 0.1
+
+
+def test_charging_the_bases_costs_bits():
+    keys, values, _ = layer_inputs(600)
+    cfg = S4RConfig(ratio=8.0)
+    s = cfg.sinks
+    free, paid = (bound_tokens(keys, values, cfg, 6, 8, toy_rope, torch.Generator().manual_seed(0),
+                               charge_bases=charge) for charge in (False, True))
+    for exact, a, b in zip((keys[:, s:], values[:, s:]), free, paid, strict=True):
+        assert relative_error(exact.float(), a.float()) < relative_error(exact.float(), b.float())
