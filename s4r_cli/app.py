@@ -28,7 +28,9 @@ from s4r_cli.options import METHODS_PLACEHOLDER
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
 # set when a command ended because another rank was lost: the process group's threads then abort the
-# interpreter's teardown with a C++ line ("terminate called ...") after ours, so `main` leaves without one
+# interpreter's teardown with a C++ line ("terminate called ...") after ours, so `main` leaves without one.
+# Under torchrun the same abort (SIGABRT after a clean run) was seen now and then with every rank alive,
+# so every rank of a launch leaves that way
 _rank_lost = False
 
 app = typer.Typer(
@@ -165,13 +167,22 @@ def run(argv: Sequence[str] | None = None) -> int:
         return EXIT_RUNTIME
 
 
+def _launched() -> bool:
+    """Whether this process is one of several ranks torchrun started (without importing torch otherwise)."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    from s4r.distributed.world import launched_size
+
+    return launched_size() > 1
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
         code = run()
     except KeyboardInterrupt:  # Ctrl-C while importing or reporting
         code = EXIT_INTERRUPTED
-    if _rank_lost:
+    if _rank_lost or _launched():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
