@@ -106,7 +106,7 @@ def layer_errors(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_
                                                   ("V", values[:, s:], v_hat, v_pre, rank_v, True)):
         err = float((exact.float() - approx.float()).pow(2).sum() / exact.float().pow(2).sum())
         bits = 8 * token_coef_bytes(cfg, rank, keys.element_size(), values=is_v)
-        x = pre[0] if pre.shape[0] == 1 else pre.transpose(0, 1).reshape(n, -1)
+        x = pre.transpose(0, 1).reshape(n, -1)  # a token's basis groups as one vector
         eig = torch.linalg.eigvalsh(x.double().T @ x.double() / n)
         bound = gaussian_bound(eig, bits * pre.shape[0])
         # the same bits on the best `rank`-dimensional subspace only: the rest of the bound's gain is

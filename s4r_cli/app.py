@@ -27,12 +27,6 @@ from s4r_cli.options import METHODS_PLACEHOLDER
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
-# set when a command ended because another rank was lost: the process group's threads then abort the
-# interpreter's teardown with a C++ line ("terminate called ...") after ours, so `main` leaves without one.
-# Under torchrun the same abort (SIGABRT after a clean run) was seen now and then with every rank alive,
-# so every rank of a launch leaves that way
-_rank_lost = False
-
 app = typer.Typer(
     name="s4r",
     help="Long-context chat with a compressed (S4R) KV cache.",
@@ -126,8 +120,7 @@ def fill_method_help(command: click.Command) -> None:
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code; every failure becomes one line on stderr."""
-    global _rank_lost
-    from s4r.errors import ContextTooLongError, RankError, S4RError
+    from s4r.errors import ContextTooLongError, S4RError
     from s4r_cli.ranks import mute_followers
 
     mute_followers()  # under torchrun only rank 0 speaks
@@ -147,7 +140,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     except S4RError as e:
         _debug_traceback()
         _say(f"error: {error_message(e)}")
-        _rank_lost = isinstance(e, RankError)
         # a document or question longer than the context is bad input, like a missing file
         return EXIT_USAGE if isinstance(e, ContextTooLongError) else EXIT_RUNTIME
     except PipeClosed:
@@ -168,7 +160,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def _launched() -> bool:
-    """Whether this process is one of several ranks torchrun started (without importing torch otherwise)."""
+    """Whether this process is one of several ranks torchrun started (without importing torch otherwise).
+
+    Such a process leaves without the interpreter's teardown: there the process group's threads abort it
+    (SIGABRT, "terminate called ...") after a lost rank, and now and then after a clean run too."""
     if "WORLD_SIZE" not in os.environ:
         return False
     from s4r.distributed.world import launched_size
@@ -182,7 +177,7 @@ def main() -> None:
         code = run()
     except KeyboardInterrupt:  # Ctrl-C while importing or reporting
         code = EXIT_INTERRUPTED
-    if _rank_lost or _launched():
+    if _launched():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
