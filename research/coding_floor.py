@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from research.practical_code import MENUS, practical_code
 from research.progress import ElapsedLog, measuring_parser
 from s4r.bench.tasks import TUNING_BOOK, make_samples
 from s4r.config import S4RConfig
@@ -117,8 +118,14 @@ def layer_errors(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_
         # and with each basis column past the stored rank paid for out of the same bytes
         charged, _ = charged_bound(eig, bits * pre.shape[0], rank * pre.shape[0],
                                    basis_column_bits(x.shape[1], keys.element_size(), n))
+        # codes that run, at the same bits with their bases paid (`research.practical_code`)
+        column = basis_column_bits(x.shape[1], keys.element_size(), n)
+        total = bits * pre.shape[0] + rank * pre.shape[0] * column
+        practical = {menu: float((x.float() - practical_code(x, total, column, menu).float()).pow(2).sum()
+                                 / x.float().pow(2).sum()) for menu in MENUS}
         out[kind] = {"error": err, "bits": bits * pre.shape[0], "bound": bound, "bound_in_rank": in_rank,
-                     "bound_charged": charged,
+                     "bound_charged": charged, "scalar_code": practical["scalar"],
+                     "vector_code": practical["vector"],
                      "gap_db": 10 * math.log10(err / max(bound, 1e-30))}
     return out
 
@@ -154,14 +161,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         bound = sum(r[kind]["bound"] for r in rows) / len(rows)
         in_rank = sum(r[kind]["bound_in_rank"] for r in rows) / len(rows)
         charged = sum(r[kind]["bound_charged"] for r in rows) / len(rows)
+        scalar_code = sum(r[kind]["scalar_code"] for r in rows) / len(rows)
+        vector_code = sum(r[kind]["vector_code"] for r in rows) / len(rows)
         gaps = sorted(r[kind]["gap_db"] for r in rows)
         summary[kind] = {"error": err, "bound": bound, "bound_in_rank": in_rank, "bound_charged": charged,
+                         "scalar_code": scalar_code, "vector_code": vector_code,
                          "gap_db_median": gaps[len(gaps) // 2],
                          "gap_db_min": gaps[0], "gap_db_max": gaps[-1], "bits": rows[0][kind]["bits"]}
         rank = plan.rank_k if kind == "K" else plan.rank_v
         print(f"{kind}: rank {rank}, {rows[0][kind]['bits']} bits/token, "
               f"mean error {err:.4f}, mean bound {bound:.4f} ({in_rank:.4f} within the rank, "
-              f"{charged:.4f} paying for its basis), "
+              f"{charged:.4f} paying for its basis; codes that run: scalar {scalar_code:.4f}, "
+              f"vector {vector_code:.4f}), "
               f"gap median {gaps[len(gaps) // 2]:+.1f} dB "
               f"[{gaps[0]:+.1f}, {gaps[-1]:+.1f}] over {len(rows)} layers")
     note.finish(args.json, {"ratio": args.ratio, "rank_k": plan.rank_k, "rank_v": plan.rank_v,

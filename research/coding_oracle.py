@@ -14,7 +14,11 @@ Every sample is prefilled once, exactly, and answered greedily (scored as `s4r b
   reaches the bound would score at those bits, with nothing lost to selection;
 - `charged@R`: the same channel, its bits also paying for each basis column past `s4r@R`'s ranks (the
   bound charges the coefficients only; at a few thousand tokens a 192-wide bf16 column costs ~0.8 bits
-  per token), over the number of components `research.coding_floor.charged_bound` finds best.
+  per token), over the number of components `research.coding_floor.charged_bound` finds best;
+- `scalar@R` and `vector@R`: codes that run (`research.practical_code`) in the same bits, their bases
+  paid: the tokens' eigenbasis, each component's quantizer allocated from a menu of the scalar bands S4R
+  stores, or with vector quantizers for the fractions of a bit: what a better store could keep;
+  `vector-values@R`: s4r's stored keys, the values in that vector code.
 The JSON is `s4r bench --json`'s accuracy record, so `research.merge_runs` tabulates it (paired gaps).
 """
 
@@ -27,6 +31,7 @@ from dataclasses import asdict
 import torch
 
 from research.coding_floor import basis_column_bits, charged_bound, stored_tokens, water_level
+from research.practical_code import MENUS, practical_code
 from research.progress import ElapsedLog, measuring_parser
 from s4r.bench.config import BenchConfig
 from s4r.bench.records import AccuracyRecord
@@ -39,7 +44,8 @@ from s4r.core.rope import RopeFn, apply_rope
 from s4r.layers.full import FullLayer
 from s4r.runtime.session import Session
 
-__all__ = ["ORACLES", "bound_tokens", "exact_copy", "gaussian_channel", "oracle_forks"]
+__all__ = ["ORACLES", "bound_coder", "coded_tokens", "exact_copy", "gaussian_channel", "oracle_forks",
+           "practical_coder"]
 
 Replace = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -71,13 +77,34 @@ def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[0].reshape(x.shape[1], heads, -1).transpose(0, 1)
 
 
-def bound_tokens(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_k: int, rank_v: int,
-                 rope: RopeFn | None, generator: torch.Generator,
-                 charge_bases: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-sink keys and values [H, n, d] (post-RoPE, model dtype) of one layer through `gaussian_channel` at
-    the coefficient bits per token S4R stores at these ranks (all basis groups of a token coded as one
-    vector, as `research.coding_floor` bounds them). `charge_bases`: the bits also pay for each basis
-    column past S4R's rank, over the components `research.coding_floor.charged_bound` finds best."""
+Coder = Callable[[torch.Tensor, float, int, float], torch.Tensor]
+
+
+def bound_coder(generator: torch.Generator, charge_bases: bool = False) -> Coder:
+    """`gaussian_channel` as a coder of (vectors [n, D], bits per vector, S4R's rank, bits per basis
+    column). `charge_bases`: the bits also pay for each basis column past S4R's rank, over the
+    components `research.coding_floor.charged_bound` finds best."""
+    def code(x: torch.Tensor, bits: float, rank: int, column: float) -> torch.Tensor:
+        used = None
+        if charge_bases:
+            xd = x.double()
+            _, used = charged_bound(torch.linalg.eigvalsh(xd.T @ xd / x.shape[0]), bits, rank, column)
+            bits -= (used - rank) * column
+        return gaussian_channel(x, bits, generator, used)
+    return code
+
+
+def practical_coder(menu: str) -> Coder:
+    """`research.practical_code.practical_code` with that menu, its basis columns paid out of S4R's
+    coefficient bits plus what S4R's own basis costs."""
+    return lambda x, bits, rank, column: practical_code(x, bits + rank * column, column, menu)
+
+
+def coded_tokens(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_k: int, rank_v: int,
+                 rope: RopeFn | None, code: Coder) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-sink keys and values [H, n, d] (post-RoPE, model dtype) of one layer through `code` at the
+    coefficient bits per token S4R stores at these ranks (all basis groups of a token coded as one
+    vector, as `research.coding_floor` bounds them), in the spaces S4R's bases live in."""
     heads, total, _ = keys.shape
     s = min(cfg.sinks, total)
     out = []
@@ -86,13 +113,7 @@ def bound_tokens(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_
         groups, n, width = pre.shape
         bits = 8 * token_coef_bytes(cfg, rank, keys.element_size(), values=is_v) * groups
         x = pre.transpose(0, 1).reshape(n, -1)
-        used = None
-        if charge_bases:
-            xd = x.double()
-            column = basis_column_bits(x.shape[1], keys.element_size(), n)
-            _, used = charged_bound(torch.linalg.eigvalsh(xd.T @ xd / n), bits, rank * groups, column)
-            bits -= (used - rank * groups) * column
-        coded = gaussian_channel(x, bits, generator, used)
+        coded = code(x, bits, rank * groups, basis_column_bits(x.shape[1], keys.element_size(), n))
         out.append(_to_heads(coded.reshape(n, groups, width).transpose(0, 1), heads))
     k_hat, v_hat = out
     if cfg.key_space == "pre_rope":
@@ -113,30 +134,46 @@ def exact_copy(staged: Session, replace: Replace, sinks: int) -> Session:
     return fork
 
 
-ORACLES = ("stored", "bound", "charged")
+ORACLES = ("stored", "bound", "charged", "vector", "scalar", "vector-values")
 
 
 def oracle_forks(staged: Session, s4r: Session, seed: int,
                  names: Sequence[str] = ORACLES) -> dict[str, Session]:
     """Exact-cache forks of `staged`, by name: "stored", the tokens S4R fork `s4r` stores, rebuilt;
     "bound", every token through `gaussian_channel` at the bits `s4r` spends per token in each layer;
-    "charged", the same with those bits also paying for basis columns past `s4r`'s ranks. "bound" draws
-    its noise from `seed`, "charged" from seed + 1."""
+    "charged", the same with those bits also paying for basis columns past `s4r`'s ranks; "scalar" and
+    "vector", `research.practical_code` in those bits; "vector-values", the stored keys with the values
+    in the vector code (outliers exact). "bound" draws its noise from `seed`, "charged"
+    from seed + 1."""
     layers = s4r.cache.layers
     sinks = layers[0].sinks
 
-    def coded(charge: bool, generator: torch.Generator) -> Replace:
+    def coded(code: Coder) -> Replace:
         def replace(i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             layer = layers[i]
-            return bound_tokens(keys, values, layer.cfg, layer.basis_k.shape[-1], layer.basis_v.shape[-1],
-                                staged.rope, generator, charge_bases=charge)
+            return coded_tokens(keys, values, layer.cfg, layer.basis_k.shape[-1], layer.basis_v.shape[-1],
+                                staged.rope, code)
         return replace
+
+    def vector_values(i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_hat, v_stored = stored_tokens(layers[i], keys, values)
+        layer = layers[i]
+        _, v_hat = coded_tokens(keys, values, layer.cfg, layer.basis_k.shape[-1], layer.basis_v.shape[-1],
+                                staged.rope, practical_coder("vector"))
+        if layer.out_idx is not None:  # the outliers s4r keeps exact stay exact
+            idx = layer.out_idx.long()
+            v_hat[:, idx] = v_stored[:, idx]
+        return k_hat, v_hat
 
     def make(name: str) -> Replace:
         if name == "stored":
             return lambda i, keys, values: stored_tokens(layers[i], keys, values)
+        if name == "vector-values":
+            return vector_values
+        if name in MENUS:
+            return coded(practical_coder(name))
         generator = torch.Generator().manual_seed(seed + (name == "charged"))
-        return coded(name == "charged", generator)
+        return coded(bound_coder(generator, charge_bases=name == "charged"))
 
     return {name: exact_copy(staged, make(name), sinks) for name in names}
 

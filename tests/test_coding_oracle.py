@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from research.coding_floor import gaussian_bound, stored_tokens
-from research.coding_oracle import bound_tokens, exact_copy, gaussian_channel, oracle_forks
+from research.coding_oracle import bound_coder, coded_tokens, exact_copy, gaussian_channel, oracle_forks
 from s4r.config import S4RConfig
 from s4r.core.budget import token_coef_bytes
 from s4r.core.compress import compressible_parts
@@ -49,7 +49,8 @@ def test_no_bits_keep_nothing_and_many_bits_keep_the_tokens():
 def test_bound_tokens_code_the_basis_spaces_at_the_stored_bits_and_rotate_keys_back():
     keys, values, _ = layer_inputs(600)
     cfg = S4RConfig(ratio=8.0)
-    k_hat, v_hat = bound_tokens(keys, values, cfg, 6, 8, toy_rope, torch.Generator().manual_seed(0))
+    code = bound_coder(torch.Generator().manual_seed(0))
+    k_hat, v_hat = coded_tokens(keys, values, cfg, 6, 8, toy_rope, code)
     s = cfg.sinks
     assert k_hat.shape == keys[:, s:].shape and k_hat.dtype == keys.dtype
     # the keys are coded before RoPE, at the bits a token's key coefficients take there
@@ -59,7 +60,7 @@ def test_bound_tokens_code_the_basis_spaces_at_the_stored_bits_and_rotate_keys_b
     bound = gaussian_bound(eigenvalues(k_pre[0]), bits)
     assert relative_error(k_pre[0], coded_pre[0]) == pytest.approx(bound, rel=0.15)
     # with bits to spare the coded tokens are the tokens (at the positions RoPE put them)
-    k_all, v_all = bound_tokens(keys, values, cfg, 64, 64, toy_rope, torch.Generator())
+    k_all, v_all = coded_tokens(keys, values, cfg, 64, 64, toy_rope, bound_coder(torch.Generator()))
     assert relative_error(keys[:, s:].float(), k_all.float()) < 1e-3
     assert relative_error(values[:, s:].float(), v_all.float()) < 1e-3
     assert relative_error(values[:, s:].float(), v_hat.float()) > 1e-3
@@ -73,8 +74,8 @@ def test_exact_forks_hold_the_replaced_tokens_and_keep_the_sinks():
     before = [layer.keys_view.clone() for layer in staged.cache.layers]
     s4r = staged.fork(method="s4r", ratio=4.0)
     forks = oracle_forks(staged, s4r, 0)
-    stored, bound = forks["stored"], forks["bound"]
-    assert set(forks) == {"stored", "bound", "charged"}
+    stored = forks["stored"]
+    assert set(forks) == {"stored", "bound", "charged", "vector", "scalar", "vector-values"}
     sinks = s4r.cache.layers[0].sinks
     for i, layer in enumerate(staged.cache.layers):
         keys, values = layer.keys_view[0], layer.values_view[0]
@@ -83,9 +84,14 @@ def test_exact_forks_hold_the_replaced_tokens_and_keep_the_sinks():
         got = stored.cache.layers[i]
         assert torch.equal(got.keys_view[0, :, sinks:], want_k)
         assert torch.equal(got.values_view[0, :, sinks:], want_v)
+        # the values alone recoded: s4r's keys as stored
+        assert torch.equal(forks["vector-values"].cache.layers[i].keys_view[0, :, sinks:], want_k)
         for fork in forks.values():
             assert torch.equal(fork.cache.layers[i].keys_view[0, :, :sinks], keys[:, :sinks])
-        assert not torch.equal(bound.cache.layers[i].values_view[0, :, sinks:], values[:, sinks:])
+        for name in ("bound", "vector", "scalar", "vector-values"):
+            coded = forks[name].cache.layers[i].values_view[0, :, sinks:]
+            assert coded.shape == values[:, sinks:].shape
+            assert not torch.equal(coded, values[:, sinks:])
     # a fork that replaces nothing answers as the exact cache
     same = exact_copy(staged, lambda i, k, v: (k[:, sinks:], v[:, sinks:]), sinks)
     full = staged.fork(method="full", ratio=1.0)
@@ -104,7 +110,8 @@ def test_charging_the_bases_costs_bits():
     keys, values, _ = layer_inputs(600)
     cfg = S4RConfig(ratio=8.0)
     s = cfg.sinks
-    free, paid = (bound_tokens(keys, values, cfg, 6, 8, toy_rope, torch.Generator().manual_seed(0),
-                               charge_bases=charge) for charge in (False, True))
+    free, paid = (coded_tokens(keys, values, cfg, 6, 8, toy_rope,
+                               bound_coder(torch.Generator().manual_seed(0), charge_bases=charge))
+                  for charge in (False, True))
     for exact, a, b in zip((keys[:, s:], values[:, s:]), free, paid, strict=True):
         assert relative_error(exact.float(), a.float()) < relative_error(exact.float(), b.float())
