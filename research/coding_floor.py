@@ -116,10 +116,9 @@ def layer_errors(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rank_
         in_rank = (gaussian_bound(top, bits * pre.shape[0]) * float(top.sum())
                    + float(eig.sum() - top.sum())) / float(eig.sum())
         # and with each basis column past the stored rank paid for out of the same bytes
-        charged, _ = charged_bound(eig, bits * pre.shape[0], rank * pre.shape[0],
-                                   basis_column_bits(x.shape[1], keys.element_size(), n))
-        # codes that run, at the same bits with their bases paid (`research.practical_code`)
         column = basis_column_bits(x.shape[1], keys.element_size(), n)
+        charged, _ = charged_bound(eig, bits * pre.shape[0], rank * pre.shape[0], column)
+        # codes that run, at the same bits with their bases paid (`research.practical_code`)
         total = bits * pre.shape[0] + rank * pre.shape[0] * column
         practical = {menu: float((x.float() - practical_code(x, total, column, menu).float()).pow(2).sum()
                                  / x.float().pow(2).sum()) for menu in MENUS}

@@ -143,8 +143,7 @@ def oracle_forks(staged: Session, s4r: Session, seed: int,
     "bound", every token through `gaussian_channel` at the bits `s4r` spends per token in each layer;
     "charged", the same with those bits also paying for basis columns past `s4r`'s ranks; "scalar" and
     "vector", `research.practical_code` in those bits; "vector-values", the stored keys with the values
-    in the vector code (outliers exact). "bound" draws its noise from `seed`, "charged"
-    from seed + 1."""
+    in the vector code (outliers exact). "bound" draws its noise from `seed`, "charged" from seed + 1."""
     layers = s4r.cache.layers
     sinks = layers[0].sinks
 
@@ -156,8 +155,8 @@ def oracle_forks(staged: Session, s4r: Session, seed: int,
         return replace
 
     def vector_values(i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k_hat, v_stored = stored_tokens(layers[i], keys, values)
         layer = layers[i]
+        k_hat, v_stored = stored_tokens(layer, keys, values)
         _, v_hat = coded_tokens(keys, values, layer.cfg, layer.basis_k.shape[-1], layer.basis_v.shape[-1],
                                 staged.rope, practical_coder("vector"))
         if layer.out_idx is not None:  # the outliers s4r keeps exact stay exact

@@ -134,19 +134,16 @@ def _whole_blocks(choice: list[int], menu: tuple[Quantizer, ...]) -> list[int]:
 def quantize_band(u: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """Coefficients `u` [n, w] (columns of unit RMS) coded by `q`, a scalar band with one scale per token or
     a vector code of whole blocks: dequantized [n, w]."""
+    if q.dim > 1:
+        # no scale per token: the codebook is a unit Gaussian's, and a block scaled to unit RMS is not one
+        book = gaussian_codebook(q.dim)[0].to(u.dtype)
+        blocks = u.reshape(u.shape[0] * (u.shape[1] // q.dim), q.dim)
+        return book[torch.cdist(blocks, book).argmin(1)].reshape(u.shape)
     if q.bits == 8.0:
         scale = u.abs().amax(dim=1, keepdim=True).clamp_min(1e-12).bfloat16().float() / 127
         return torch.round(u / scale).clamp(-127, 127) * scale
     scale = u.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-12).bfloat16().float()
-    unit = u / scale
-    if q.dim == 1:
-        return _scalar(unit, int(q.bits)) * scale
-    book = gaussian_codebook(q.dim)[0].to(u.dtype)
-    # no scale per token: the codebook is a unit Gaussian's, and a block scaled to unit RMS is not one
-    unit = u
-    blocks = unit.reshape(unit.shape[0] * (unit.shape[1] // q.dim), q.dim)
-    nearest = torch.cdist(blocks, book).argmin(1)
-    return book[nearest].reshape(unit.shape)
+    return _scalar(u / scale, int(q.bits)) * scale
 
 
 def practical_code(x: torch.Tensor, bits: float, column_bits: float, menu: str = "vector") -> torch.Tensor:

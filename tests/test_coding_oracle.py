@@ -46,7 +46,7 @@ def test_no_bits_keep_nothing_and_many_bits_keep_the_tokens():
     assert relative_error(x, gaussian_channel(x, 1000.0, torch.Generator())) < 1e-6
 
 
-def test_bound_tokens_code_the_basis_spaces_at_the_stored_bits_and_rotate_keys_back():
+def test_coded_tokens_code_the_basis_spaces_at_the_stored_bits_and_rotate_keys_back():
     keys, values, _ = layer_inputs(600)
     cfg = S4RConfig(ratio=8.0)
     code = bound_coder(torch.Generator().manual_seed(0))
