@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from s4r.core.band_plan import GAUSSIAN_STEP
+from s4r.core.subspace import dequantize_int8, quantize_int8
 
 __all__ = ["MENUS", "Quantizer", "allocate", "gaussian_codebook", "menu_quantizers", "practical_code",
            "quantize_band"]
@@ -45,7 +46,9 @@ def _max_distortion(bits: int) -> float:
 
 
 def _scalar(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unit-RMS coefficients through the mid-rise uniform quantizer with Max's Gaussian step."""
+    """Unit-RMS coefficients through the mid-rise uniform quantizer with Max's Gaussian step (what
+    `s4r.core.coef_bands.encode_tails` stores, without its packing into whole bytes, which needs band
+    widths the allocation does not give)."""
     half, step = (1 << bits) / 2, GAUSSIAN_STEP[bits]
     return (torch.floor(u / step + half).clamp(0, 2 * half - 1) - (half - 0.5)) * step
 
@@ -140,8 +143,8 @@ def quantize_band(u: torch.Tensor, q: Quantizer) -> torch.Tensor:
         blocks = u.reshape(u.shape[0] * (u.shape[1] // q.dim), q.dim)
         return book[torch.cdist(blocks, book).argmin(1)].reshape(u.shape)
     if q.bits == 8.0:
-        scale = u.abs().amax(dim=1, keepdim=True).clamp_min(1e-12).bfloat16().float() / 127
-        return torch.round(u / scale).clamp(-127, 127) * scale
+        codes, scale = quantize_int8(u, torch.bfloat16)
+        return dequantize_int8(codes, scale, torch.float32)
     scale = u.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-12).bfloat16().float()
     return _scalar(u / scale, int(q.bits)) * scale
 
