@@ -242,7 +242,9 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "drop0.01": {"recon_drop": 0.01},
     "drop0.02+max1": {"recon_drop": 0.02, "recon_max": 1.0},
     "recon0.5": {"recon_fraction": 0.5},
-    # the selected keys rebuilt in the model's dtype (the default) or in fp32
+    # the selected keys rebuilt by one int8 product (the default where the CPU has int8 dot products), in
+    # the model's dtype, or in fp32
+    "rebuild-model": {"rebuild_dtype": "model"},
     "rebuild-fp32": {"rebuild_dtype": "float32"},
     # the eager decode step, the reference the fused CPU kernels are tested against
     "eager": {"kernels": "eager"},

@@ -112,8 +112,11 @@ class S4RConfig:
     recon_token_cap: int | None = None
     # the dtype a pre-RoPE step rebuilds the selected keys in: "model" (a bf16 model's bf16, or the model's
     # dtype on a GPU: one product over the decoded coefficients, keys rounded as the model's own are;
-    # faster, and answers as well) or "float32" (fp32 products through byte planes; docs/design.md)
-    rebuild_dtype: Literal["model", "float32"] = "model"
+    # faster, and answers as well), "float32" (fp32 products through byte planes), "int8" (on a CPU with
+    # int8 coefficients: one int8 product, the lead band's codes as stored, the lower bands rounded to its
+    # step, the basis in int8 per key dimension) or "auto" ("int8" where the CPU has int8 dot products,
+    # else "model"); docs/design.md
+    rebuild_dtype: Literal["auto", "model", "float32", "int8"] = "auto"
     top_k: int | None = None
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
@@ -184,8 +187,8 @@ class S4RConfig:
             raise ValueError("recon_max must be in (0, 1] (or None for the ratio's default)")
         if self.recon_token_cap is not None and self.recon_token_cap < 0:
             raise ValueError("recon_token_cap must be >= 0 (0: no limit, None: the ratio's default)")
-        if self.rebuild_dtype not in ("model", "float32"):
-            raise ValueError(f"rebuild_dtype must be model or float32, got {self.rebuild_dtype!r}")
+        if self.rebuild_dtype not in ("auto", "model", "float32", "int8"):
+            raise ValueError(f"rebuild_dtype: auto, model, float32 or int8, not {self.rebuild_dtype!r}")
         if self.rope_chunk < 0:
             raise ValueError("rope_chunk must be >= 0 (0: one chunk)")
         if self.rope_scoring not in ("aligned", "expected"):

@@ -22,8 +22,10 @@ from tests.test_fused_kernels import D, kv_data, rope_for
 
 Q_HEADS, KV_HEADS = 9, 3
 BLOCK = 24  # queries in a block (at least the default `dense_queries`)
-# every stored token selected, so the selection path attends what the dense path does
-EVERY_TOKEN = dict(recon_fraction=1.0, recon_cap=1.0, recon_drop=None, recon_token_cap=0)
+# every stored token selected, so the selection path attends what the dense path does, its keys rebuilt
+# in the model's dtype as a block rebuilds them
+EVERY_TOKEN = dict(recon_fraction=1.0, recon_cap=1.0, recon_drop=None, recon_token_cap=0,
+                   rebuild_dtype="model")
 
 CONFIGS = {
     "pre-rope": S4RConfig(ratio=None, rank_k=24, rank_v=24),

@@ -71,12 +71,18 @@ def selected_sets(layer):
 CONFIGS = {
     "pre-rope": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1),
     "pre-rope-budget": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, recon_token_cap=0),
+    "pre-rope-int8-rebuild": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1,
+                                       rebuild_dtype="int8"),
+    "pre-rope-model-rebuild": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1,
+                                        rebuild_dtype="model"),
     "pre-rope-aligned-int8": S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, coef_bands=None,
                                        rope_scoring="aligned", recon_drop=None),
     "post-rope": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24, pool_kernel=1),
     "post-rope-int8": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24, pool_kernel=1,
                               coef_bands=None),
     "per-head-bases": S4RConfig(ratio=None, rank_k=16, rank_v=16, pool_kernel=1, granularity="head"),
+    "per-head-bases-int8-rebuild": S4RConfig(ratio=None, rank_k=16, rank_v=16, pool_kernel=1,
+                                             granularity="head", rebuild_dtype="int8"),
     "post-rope-per-head": replace(S4RConfig.fast(5.0), ratio=None, rank_k=16, rank_v=16, pool_kernel=1,
                                   granularity="head"),
 }
@@ -89,18 +95,22 @@ def test_fused_step_is_the_eager_step(name, heads):
     cfg = CONFIGS[name]
     keys, values, queries = kv_data(kv_heads, q_heads, 700, torch.float32)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
+    auto = cfg.rebuild_dtype == "auto" and jit.int8_products()
+    assert layer.rebuild_int8 == (cfg.rebuild_dtype == "int8" or auto)
     fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.float32)
     assert selected_sets(layer) == selected_sets(twin)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
     assert layer.rebuilt_tokens == twin.rebuilt_tokens and layer.scored_tokens == twin.scored_tokens
 
 
-@pytest.mark.parametrize("name", ["pre-rope", "per-head-bases", "post-rope"])
+@pytest.mark.parametrize("name", ["pre-rope-int8-rebuild", "pre-rope-model-rebuild", "per-head-bases",
+                                  "post-rope"])
 def test_fused_step_in_blocks_is_the_eager_step(name, monkeypatch):
-    """The selected tokens rebuilt and combined a block at a time (blocks of 64: three and a partial one)."""
+    """The selected tokens rebuilt a block at a time (blocks of 64: three and a partial one)."""
     from s4r.kernels import s4r_step
 
     monkeypatch.setattr(s4r_step, "BLOCK", 64)
+    monkeypatch.setattr(s4r_step, "INT8_BLOCK", 64)
     cfg = CONFIGS[name]
     keys, values, queries = kv_data(3, 9, 700, torch.float32)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
@@ -266,3 +276,77 @@ def test_decode_rows_kernel_is_the_band_decoder(token_last, dtype, tails):
         want = torch.cat([want, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)
     torch.testing.assert_close(out[:, :k], want.to(dtype), rtol=0, atol=0)
     assert (out[:, k:] == 0).all()
+
+
+def random_bands(tails, groups: int = 2, n: int = 300, lead: int = 12):
+    """Random stored bands: (lead codes [G, n, lead], scales [G, n] bf16, packed tail codes, tail steps)."""
+    from s4r.core.quantize import pack_bits
+
+    g = torch.Generator().manual_seed(len(tails) + 7)
+    codes = [pack_bits(torch.randint(0, 1 << b, (groups, n, w), generator=g), b) for b, w in tails]
+    tail_codes = torch.cat(codes, -1) if codes else torch.zeros(groups, n, 0, dtype=torch.uint8)
+    tail_steps = (0.05 * torch.rand(groups, n, max(len(tails), 1), generator=g)).to(torch.bfloat16)
+    lead_codes = torch.randint(-127, 128, (groups, n, lead), generator=g, dtype=torch.int8)
+    scale = (0.01 * torch.rand(groups, n, generator=g) + 1e-3).to(torch.bfloat16)
+    return lead_codes, scale, tail_codes, tail_steps
+
+
+@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((2, 8),), ((8, 4), (4, 8)), ()])
+def test_decode_rows_int8_kernel_is_the_int8_rows_reference(tails):
+    """Selected key rows as one int8 row each on the lead band's step: the lead codes as stored, the lower
+    bands as `int8_rows` rounds the band decoder's values (some past +-127, clamped); rows past k zeroed."""
+    from s4r.core.band_plan import BandPlan
+    from s4r.core.coef_bands import decode_tails
+    from s4r.core.int8_rebuild import int8_rows
+    from s4r.kernels.jit import as_numpy
+    from s4r.kernels.sparse_attention import decode_rows_int8
+
+    lead_codes, scale, tail_codes, tail_steps = random_bands(tails)
+    plan = BandPlan(12, tails)
+    idx = torch.randperm(300, generator=torch.Generator().manual_seed(3))[:37]
+    k = idx.shape[0]
+    out = torch.full((2, k + 11, plan.rank), 5, dtype=torch.int8)
+    out_scale = torch.full((2, k + 11), 7.0)
+    bits = torch.tensor([b for b, _ in tails], dtype=torch.int64)
+    widths = torch.tensor([w for _, w in tails], dtype=torch.int64)
+    decode_rows_int8(idx.numpy(), k, lead_codes.transpose(1, 2).contiguous().numpy(), as_numpy(scale),
+                     tail_codes.numpy(), as_numpy(tail_steps), bits.numpy(), widths.numpy(), out.numpy(),
+                     out_scale.numpy())
+    rows = lead_codes[:, idx].float() * scale[:, idx, None].float()
+    if tails:
+        rows = torch.cat([rows, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)
+    want = int8_rows(rows.transpose(1, 2), scale[:, None, idx]).transpose(1, 2)
+    assert torch.equal(out[:, :k], want)
+    assert torch.equal(out[:, :k, :12], lead_codes[:, idx])
+    if tails:
+        assert (want.abs() == 127).any() and (want[..., 12:] != 0).any()
+    assert torch.equal(out_scale[:, :k], scale[:, idx].float())
+    assert (out[:, k:] == 0).all() and (out_scale[:, k:] == 0).all()
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ()])
+def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, tails):
+    """z[b, m] += probabilities times the decoded value rows of the selected tokens, each group's rows
+    weighted by its own query rows, over a count that is not a multiple of the kernel's token block."""
+    from s4r.core.band_plan import BandPlan
+    from s4r.core.coef_bands import decode_tails
+    from s4r.kernels.jit import as_numpy
+    from s4r.kernels.sparse_attention import weighted_value_rows
+
+    lead_codes, scale, tail_codes, tail_steps = random_bands(tails, groups=groups)
+    plan = BandPlan(12, tails)
+    idx = torch.randperm(300, generator=torch.Generator().manual_seed(4))[:45].sort().values
+    k, rows = idx.shape[0], 9 // groups
+    probs = torch.rand(9, k + 5)
+    z = torch.randn(groups, rows, plan.rank)
+    start = z.clone()
+    bits = torch.tensor([b for b, _ in tails], dtype=torch.int64).numpy()
+    widths = torch.tensor([w for _, w in tails], dtype=torch.int64).numpy()
+    weighted_value_rows(probs.numpy(), idx.numpy(), k, lead_codes.numpy(), as_numpy(scale),
+                        tail_codes.numpy(), as_numpy(tail_steps), bits, widths, z.numpy())
+    decoded = lead_codes[:, idx].float() * scale[:, idx, None].float()
+    if tails:
+        decoded = torch.cat([decoded, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)
+    want = start + torch.matmul(probs[:, :k].view(groups, rows, k), decoded)
+    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-5)

@@ -17,15 +17,20 @@ from s4r.core.subspace import head_blocks
 from tests.helpers import tiny_model
 
 
+def token_rows(store: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The rows idx [B, k] of a per-token store [G, N, x]: [B, k, x]."""
+    if store.shape[0] == 1:
+        return store[0][idx]
+    return torch.gather(store, 1, idx.unsqueeze(-1).expand(-1, -1, store.shape[-1]))
+
+
 def decoded_key_rows(layer, idx: torch.Tensor) -> torch.Tensor:
     """fp32 key coefficients [B, k, r] of the stored tokens `idx` [B, k], decoded code by code (the int8
     band times its scale, the lower bands by `decode_tails`): the reference the planes must match."""
     n = layer._n
 
-    def pick(store: torch.Tensor) -> torch.Tensor:  # [G, N, x] -> [B, k, x]
-        if store.shape[0] == 1:
-            return store[0][idx]
-        return torch.gather(store, 1, idx.unsqueeze(-1).expand(-1, -1, store.shape[-1]))
+    def pick(store: torch.Tensor) -> torch.Tensor:
+        return token_rows(store, idx)
 
     rows = pick(layer._ck[..., :n].transpose(1, 2)).float()
     if layer._sk is not None:
@@ -84,9 +89,9 @@ def test_dimension_major_rotation_is_apply_rope():
 
 
 def pre_rope_layer(seed: int, total: int, granularity: str, bands: str | None, shared: bool,
-                   dtype: torch.dtype = torch.float32):
+                   dtype: torch.dtype = torch.float32, rebuild: str = "model"):
     """(layer, rope, cfg): a pre-RoPE layer of 2 KV heads x 16 over `total` low-rank random keys, handed
-    over post-RoPE as the model does, in `dtype`."""
+    over post-RoPE as the model does, in `dtype`, its selected keys rebuilt as `rebuild` says."""
     torch.manual_seed(seed)
     rope = rope_of()
     heads, dim = 2, 16
@@ -97,7 +102,7 @@ def pre_rope_layer(seed: int, total: int, granularity: str, bands: str | None, s
     values = torch.randn(heads, total, dim).to(dtype)
     rank = 12 if granularity == "head" else 24
     cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, key_space="pre_rope", granularity=granularity,
-                    coef_bands=bands, outlier_fraction=0.0, shared_selection=shared)
+                    coef_bands=bands, outlier_fraction=0.0, shared_selection=shared, rebuild_dtype=rebuild)
     return compress_layer(keys, values, None, cfg, rank, rank, rope), rope, cfg
 
 
@@ -184,6 +189,40 @@ def test_chunked_logits_are_each_chunks_own_latent_logits(dtype, groups, stored,
         expected = latent_logits(queries[c], coef_t[..., lo:hi], scale[:, lo:hi], 0.25)
         # int8 queries (CPU int8 path) and bf16 products (the batched path) round alike: ~1%
         torch.testing.assert_close(out[..., lo:hi], expected, rtol=0.02, atol=0.02 * expected.abs().max())
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@pytest.mark.parametrize("bands", [None, "8:2,4:3,2:3"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_int8_rebuild_is_the_integer_product_of_the_decoded_rows(granularity, bands, shared):
+    """`rebuild_dtype="int8"`: the logits are those of keys rebuilt from each token's decoded row rounded to
+    its lead band's step (the lead codes unchanged) times the basis in int8 per key dimension, computed
+    here from the rows by hand; with the lead band alone they are within the basis' int8 rounding of fp32."""
+    layer, rope, cfg = pre_rope_layer(2, 300, granularity, bands, shared, rebuild="int8")
+    assert layer.rebuild_int8
+    heads, dim = 2, 16
+    n = layer._n
+    sets = 1 if shared else heads
+    idx = torch.stack([torch.randperm(n)[:64].sort().values for _ in range(sets)])
+    rows = decoded_key_rows(layer, idx)  # [B, k, r]
+    step = token_rows(layer._sk[:, :n, None], idx).float()  # [B, k, 1]
+    codes = torch.round(rows * (1 / step)).clamp(-127, 127)
+    lead = layer.plan_k.lead
+    assert torch.equal(codes[..., :lead], token_rows(layer._ck[..., :n].transpose(1, 2), idx).float())
+    blocks = head_blocks(layer.basis_k, heads).float()  # [H, d, r]
+    bscale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+    bcodes = torch.round(blocks / bscale).clamp(-127, 127)
+    keys = torch.matmul(codes, bcodes.transpose(1, 2)) * step * bscale.transpose(1, 2)  # [H, k, d]
+    c, s = rope(idx.reshape(-1) + layer.sinks)
+    rotated = apply_rope(keys, c.view(*idx.shape, -1), s.view(*idx.shape, -1))
+    qf = torch.randn(heads, 3, dim)
+    reference = torch.matmul(qf, rotated.transpose(1, 2)) * 0.25
+    got = layer._rebuilt_key_logits(qf, idx, 0.25)
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+    if bands is None:  # lower bands rounded to the lead's step lose more where the lead is this narrow
+        layer.cfg = replace(cfg, rebuild_dtype="float32")
+        exact = layer._rebuilt_key_logits(qf, idx, 0.25)
+        assert 0 < ((got - exact).norm() / exact.norm()).item() < 0.01
 
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])

@@ -27,7 +27,7 @@ except Exception as exc:  # pragma: no cover - exercised where numba is absent
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-_state: dict[str, bool] = {"warned": False, "failed": False}
+_state: dict = {"warned": False, "failed": False}
 # reassociation lets sums vectorize; no `arcp` (a division must round as torch's does, e.g. the int8
 # quantization of a query) and no `ninf`/`nnan` (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz"}
@@ -70,17 +70,38 @@ def inline(fn: Callable) -> Callable:
     return numba.njit(cache=True, fastmath=FASTMATH, inline="always", error_model="numpy")(fn)
 
 
+def _cpu_flags() -> list[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    if "flags" not in _state:
+        try:
+            with open("/proc/cpuinfo") as f:
+                _state["flags"] = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            _state["flags"] = []
+    return _state["flags"]
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), where oneDNN's bf16 products
     outrun its fp32 ones; without them (AVX2) they run tens of times slower (BENCHMARKS.md, decode speed)."""
-    if "native_bf16" not in _state:
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((line for line in f if line.startswith("flags")), "").split()
-        except OSError:
-            flags = []
-        _state["native_bf16"] = "avx512_bf16" in flags or "amx_bf16" in flags
-    return bool(_state["native_bf16"])
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def int8_products() -> bool:
+    """Whether this CPU has int8 dot-product instructions (VNNI or AMX-INT8) and torch's int8 matrix
+    product (`torch._int_mm`) runs here: oneDNN's int8 products then run about twice its bf16 ones."""
+    if "int8_products" not in _state:
+        flags = _cpu_flags()
+        ok = any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+        if ok:
+            try:
+                ones = torch.ones(32, 32, dtype=torch.int8)
+                ok = int(torch._int_mm(ones, ones)[0, 0]) == 32
+            except Exception:  # noqa: BLE001 - a torch without the CPU int8 product
+                ok = False
+        _state["int8_products"] = ok
+    return bool(_state["int8_products"])
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

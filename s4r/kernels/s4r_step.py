@@ -14,6 +14,7 @@ import math
 import numpy as np
 import torch
 
+from s4r.core.int8_rebuild import int8_basis
 from s4r.core.rope import angle_rows, chunk_rotations, last_answer
 from s4r.kernels import jit
 from s4r.kernels.jit import as_numpy
@@ -28,17 +29,22 @@ from s4r.kernels.latent_scoring import (
 from s4r.kernels.sparse_attention import (
     band_arrays,
     decode_rows,
+    decode_rows_int8,
     latent_key_logits,
     rebuild_work_dtype,
     rotated_key_logits,
     softmax_exact_values,
     storage_fusable,
     tail_arrays,
+    weighted_value_rows,
 )
 from s4r.kernels.token_selection import choose_tokens
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
 BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
+# an int8 product's keys are int32 sums, twice bf16's bytes: blocks of 512 keep them in L2 for the rotation
+# (a 5x step at 7,600 tokens 3% faster than in blocks of 2,048; bf16 ones 5% slower in blocks of 512)
+INT8_BLOCK = 512
 _NO_OUTLIERS = np.zeros(0, np.int32)
 
 
@@ -95,22 +101,29 @@ def _scratch(layer) -> Scratch:
     return scratch
 
 
-def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-    """(fp32 key blocks [H, d, rk] as numpy, the key basis transposed for the rebuild [G, rk, W] in fp32,
-    fp32 value blocks transposed [H, rv, d]), kept while the bases are the same tensors."""
+def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, np.ndarray]:
+    """(fp32 key blocks [H, d, rk] as numpy, the key basis transposed for the rebuild [G, rk, W], fp32
+    value blocks transposed [H, rv, d], the rebuild basis' scales per key dimension [G, W] (int8; else
+    empty)), kept while the bases are the same tensors and the rebuild's dtype the same."""
+    int8 = layer.rebuild_int8
     memo = getattr(layer, "_fused_bases", None)
-    if memo is None or memo[0] is not layer.basis_k or memo[1] is not layer.basis_v:
+    if memo is None or memo[0] is not layer.basis_k or memo[1] is not layer.basis_v or memo[2] != int8:
         from s4r.core.subspace import head_blocks
 
         blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous()
-        # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in fp32
-        # where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
-        dtype = rebuild_work_dtype(layer)
-        rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
+        if int8:  # codes [G, W, rk] with a scale per key dimension, as `int8_basis` quantizes
+            codes, scale = int8_basis(layer.basis_k)
+            rebuild, col_scale = codes.transpose(1, 2).contiguous(), scale[..., 0].contiguous().numpy()
+        else:
+            # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in
+            # fp32 where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
+            dtype = rebuild_work_dtype(layer)
+            rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
+            col_scale = np.zeros((rebuild.shape[0], 0), np.float32)
         blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
-        memo = (layer.basis_k, layer.basis_v, blocks_k.numpy(), rebuild, blocks_v)
+        memo = (layer.basis_k, layer.basis_v, int8, blocks_k.numpy(), rebuild, blocks_v, col_scale)
         layer._fused_bases = memo
-    return memo[2], memo[3], memo[4]
+    return memo[3], memo[4], memo[5], memo[6]
 
 
 def _rotations(layer, n: int, d: int):
@@ -171,7 +184,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     parts, off = [], 0
     for i, seg in enumerate(segments):
         scratch, n, e = _scratch(seg), seg._n, seg.exact_length
-        blocks_k, _, _ = _bases(seg)
+        blocks_k = _bases(seg)[0]
         lead, rk = seg.plan_k.lead, blocks_k.shape[2]
         undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, n, d)
         chunks = ccos.shape[0]
@@ -213,11 +226,11 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     return results
 
 
-def _blocks(k: int):
-    """(start, end, padded rows) of the selected tokens' blocks: `BLOCK` at a time, the last one's rows
+def _blocks(k: int, block: int):
+    """(start, end, padded rows) of the selected tokens' blocks: `block` at a time, the last one's rows
     rounded up to `BUCKET`, so a few product shapes serve every step."""
-    for start in range(0, k, BLOCK):
-        end = min(k, start + BLOCK)
+    for start in range(0, k, block):
+        end = min(k, start + block)
         yield start, end, max(BUCKET, -(-(end - start) // BUCKET) * BUCKET)
 
 
@@ -232,7 +245,7 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
     seg.scored_tokens += seg._n
     idx = np.ascontiguousarray(idx)
     scratch = _scratch(seg)
-    _, rebuild_t, blocks_v = _bases(seg)
+    _, rebuild_t, blocks_v, col_scale = _bases(seg)
     sel = scratch.np("sel", (nrows, max(BUCKET, -(-k // BUCKET) * BUCKET)))
     e = seg.exact_length
     if seg.cfg.key_space == "pre_rope":
@@ -244,16 +257,25 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
         offset = getattr(seg.rope, "offset", 0)
         angles = angle_rows(seg.rope.rotary, seg.sinks + seg._n + offset).numpy()
         q = qf.numpy()
-        for start, end, pad in _blocks(k):
+        int8 = rebuild_t.dtype == torch.int8
+        row_scale = scratch.np("row_scale", (groups, 0))
+        for start, end, pad in _blocks(k, INT8_BLOCK if int8 else BLOCK):
             coefs, coefs_np = scratch._view("coefs", (groups, pad, rk), rebuild_t.dtype)
-            decode_rows(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, True, coefs_np)
-            keys, keys_np = scratch._view("keys", (groups, pad, width), rebuild_t.dtype)
-            if groups == 1:  # one 2-D product: a batched bf16 product with `out` takes a path ~10x slower
-                torch.matmul(coefs[0], rebuild_t[0], out=keys[0])
+            if int8:
+                row_scale = scratch.np("row_scale", (groups, pad))
+                decode_rows_int8(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, coefs_np,
+                                 row_scale)
+                sums = [torch._int_mm(coefs[g], rebuild_t[g]).numpy() for g in range(groups)]  # int32
+                keys_np = sums[0][None] if groups == 1 else np.stack(sums)
             else:
-                torch.matmul(coefs, rebuild_t, out=keys)
+                decode_rows(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, True, coefs_np)
+                keys, keys_np = scratch._view("keys", (groups, pad, width), rebuild_t.dtype)
+                if groups == 1:  # one 2-D product: a batched bf16 product with `out` takes a path ~10x slower
+                    torch.matmul(coefs[0], rebuild_t[0], out=keys[0])
+                else:
+                    torch.matmul(coefs, rebuild_t, out=keys)
             rotated_key_logits(q, keys_np, idx[start:end], end - start, seg.sinks + offset, angles, scaling,
-                               sel[:, start:end])
+                               col_scale, row_scale, sel[:, start:end])
     else:
         lead = seg.plan_k.lead
         qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - lead))
@@ -269,16 +291,8 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
         bits, widths = band_arrays(seg, keys=False)
         tv, tsv = tail_arrays(seg, keys=False)
         cv, sv = as_numpy(seg._cv), as_numpy(seg._sv)
-        probs = torch.from_numpy(sel)
         z = scratch.get("z", (groups_v, nrows // groups_v, rv)).zero_()
-        for start, end, pad in _blocks(k):
-            values, values_np = scratch._view("values", (groups_v, pad, rv), torch.float32)
-            decode_rows(idx[start:end], end - start, cv, sv, tv, tsv, bits, widths, False, values_np)
-            block = probs[:, start:end]
-            if groups_v == 1:
-                z[0].addmm_(block, values[0, : end - start])
-            else:
-                z.baddbmm_(block.view(heads, rows, end - start), values[:, : end - start])
+        weighted_value_rows(sel, idx, k, cv, sv, tv, tsv, bits, widths, z.numpy())
         out.baddbmm_(z.view(heads, rows, rv), blocks_v)
     return out, lse
 

@@ -158,13 +158,86 @@ def decode_rows(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, wi
 
 
 @kernel
-def rotated_key_logits(q, keys, idx, k, pos0, angles, scaling, out):
+def decode_rows_int8(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, out, out_scale):
+    """`decode_rows` of keys (lead_codes [G, lead, N]) as int8 rows on the lead band's step, what one int8
+    product rebuilds: out[b, j, :] holds token idx[j]'s lead codes as stored, then its lower bands decoded,
+    times the step's reciprocal, rounded (clamped to +-127), out_scale[b, j] the step; rows past k up to
+    out's capacity zeroed. Reference: `s4r.core.int8_rebuild.int8_rows`."""
+    groups = out.shape[0]
+    rank = out.shape[2]
+    lead = lead_codes.shape[1]
+    row = np.empty(rank - lead, np.float32)
+    for g in range(groups):
+        codes_g, scale_g = lead_codes[g], lead_scale[g]
+        for j in range(k):
+            t = idx[j]
+            s = as_f32(scale_g[t])
+            dst = out[g, j]
+            for c in range(lead):
+                dst[c] = codes_g[c, t]
+            if bits.shape[0]:
+                decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, row)
+                inv = np.float32(1.0) / s
+                tail = dst[lead:]
+                for c in range(rank - lead):
+                    v = min(max(np.rint(row[c] * inv), np.float32(-127.0)), np.float32(127.0))
+                    tail[c] = np.int8(np.int32(v))
+            out_scale[g, j] = s
+        for j in range(k, out.shape[1]):
+            dst = out[g, j]
+            for c in range(rank):
+                dst[c] = 0
+            out_scale[g, j] = 0
+
+
+TOKENS = 16  # value rows decoded and combined a block at a time: each output row is read once per block
+
+
+@kernel
+def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, z):
+    """z[b, m, :] += sum over j < k of probs[b * M + m, j] times the decoded value coefficients of token
+    idx[j] (lead_codes [G, N, lead] times their scale, then the lower bands), for each basis group b of the
+    G and its M = rows / G query rows: `decode_rows` and a product, without the decoded rows in memory."""
+    groups, rows, rank = z.shape
+    lead = lead_codes.shape[2]
+    block = np.zeros((TOKENS, rank), np.float32)
+    weights = np.zeros((rows, TOKENS), np.float32)
+    for g in range(groups):
+        codes_g, scale_g = lead_codes[g], lead_scale[g]
+        for start in range(0, k, TOKENS):
+            size = min(TOKENS, k - start)
+            for b in range(size):
+                t = idx[start + b]
+                s = as_f32(scale_g[t])
+                src = codes_g[t]
+                row = block[b]
+                for c in range(lead):
+                    row[c] = np.float32(src[c]) * s
+                if bits.shape[0]:
+                    decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, row[lead:])
+            for m in range(rows):
+                for b in range(TOKENS):
+                    weights[m, b] = probs[g * rows + m, start + b] if b < size else np.float32(0.0)
+            for m in range(rows):
+                zm, w = z[g, m], weights[m]
+                for c in range(rank):
+                    acc = zm[c]
+                    for b in range(TOKENS):
+                        acc += w[b] * block[b, c]
+                    zm[c] = acc
+
+
+@kernel
+def rotated_key_logits(q, keys, idx, k, pos0, angles, scaling, col_scale, row_scale, out):
     """Logits out[r, j] of the query rows q [H, M, d] on the rebuilt pre-RoPE keys keys [B, >=k, W] of
     the tokens idx[:k] (B = 1: one layer basis, head h's key at columns h*d..; B = H: per head), each
-    rotated to its position idx[j] + pos0 by the angle rows [P, d] (cos of the d/2 pairs, then sin)."""
+    rotated to its position idx[j] + pos0 by the angle rows [P, d] (cos of the d/2 pairs, then sin).
+    Keys of an int8 product come as int32 sums: column c of basis group b is scaled by col_scale[b, c]
+    and token j's logits by row_scale[b, j]; other keys pass empty scales."""
     heads, rows, d = q.shape
     half = d // 2
     shared = keys.shape[0] == 1
+    scaled = col_scale.shape[1] > 0
     rot = np.empty(d, np.float32)
     for j in range(k):
         ang = angles[idx[j] + pos0]
@@ -174,14 +247,18 @@ def rotated_key_logits(q, keys, idx, k, pos0, angles, scaling, out):
             for i in range(half):
                 x1 = as_f32(keys[g, j, base + i])
                 x2 = as_f32(keys[g, j, base + half + i])
+                if scaled:
+                    x1 *= col_scale[g, base + i]
+                    x2 *= col_scale[g, base + half + i]
                 c, s = ang[i], ang[half + i]
                 rot[i] = x1 * c - x2 * s
                 rot[half + i] = x2 * c + x1 * s
+            factor = np.float32(scaling) * row_scale[g, j] if scaled else np.float32(scaling)
             for m in range(rows):
                 acc = np.float32(0.0)
                 for i in range(d):
                     acc += q[h, m, i] * rot[i]
-                out[h * rows + m, j] = acc * np.float32(scaling)
+                out[h * rows + m, j] = acc * factor
 
 
 @kernel

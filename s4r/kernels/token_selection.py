@@ -87,6 +87,20 @@ def _budget_count(logits, lse, candmass, picked, count, drop):
 
 
 @inline
+def _outgrows(logits, lse, candmass, picked, count, drop):
+    """Whether some query row leaves more than `drop` of its candidate mass outside all of picked[:count]:
+    then the budget keeps every one of them (the cap binds) and ranking them would change nothing."""
+    for r in range(logits.shape[0]):
+        row, top = logits[r], lse[r]
+        kept = np.float32(0.0)
+        for j in range(count):
+            kept += fast_exp(row[picked[j]] - top)
+        if candmass[r] - kept > drop:
+            return True
+    return False
+
+
+@inline
 def _index_order(picked, count, cand, work):
     """picked[:count] (distinct, each < cand) in ascending order, by marking them in work[:cand] and one
     sweep: the rebuild then reads the stored bands front to back."""
@@ -129,7 +143,7 @@ def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, 
                     ties -= 1
                 picked[count] = t
                 count += 1
-        if use_budget:
+        if use_budget and not _outgrows(logits, lse, candmass, picked, count, drop):
             _rank_best_first(scores, picked, count, work)
             count = min(max(_budget_count(logits, lse, candmass, picked, count, drop), min(k, count)), count)
             _index_order(picked, count, cand, work)

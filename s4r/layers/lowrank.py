@@ -30,6 +30,7 @@ from s4r.hf.attention import causal_mask, handoff
 from s4r.layers.full import CacheLayer, tensor_bytes, to_groups
 from s4r.layers.growable import cloned, contiguous, grown
 from s4r.layers.lowrank_dense import attend_every_token, attends_every_token, forget_rebuilt
+from s4r.layers.lowrank_rebuild import KeyRebuild
 from s4r.layers.lowrank_selection import LatentSelection
 from s4r.layers.lowrank_views import StoredViews
 
@@ -37,7 +38,7 @@ from s4r.layers.lowrank_views import StoredViews
 _TOKEN_ROW_STORES = ("_cv", "_sk", "_sv", "_rel", "_tk", "_tv", "_tsk", "_tsv")
 
 
-class LowRankLayer(StoredViews, LatentSelection, CacheLayer):
+class LowRankLayer(StoredViews, LatentSelection, KeyRebuild, CacheLayer):
     """S4R storage of one layer: full-precision sinks, K/V bases, coefficients of every other token,
     the outliers kept exact, the scoring state, and a full-precision buffer of new tokens.
 
