@@ -51,7 +51,7 @@ class KeyRebuild:
         # oneDNN builds a bf16 product's kernel per shape (about 0.6 ms, more than the product): the token
         # count is rounded up to a bucket by repeating the last token, so a few shapes serve every step
         padded = torch.cat([idx, idx[:, -1:].expand(-1, -k % REBUILD_BUCKET)], dim=1)
-        coefs = self._decoded_key_cols(padded, self.rebuild_dtype)  # [B, r, k']
+        coefs, _ = self._decoded_key_cols(padded, self.rebuild_dtype)  # [B, r, k']
         blocks = head_blocks(self.basis_k, self.heads)  # [H, d, r]
         if self._tk is not None:
             blocks = planar_basis(blocks, self.plan_k)
@@ -63,8 +63,8 @@ class KeyRebuild:
         reference of the fused step's, here as fp32 products of the integer codes (exact)."""
         if idx.shape[1] == 0:
             return qf.new_empty(self.heads, qf.shape[1], 0)
-        _, step = self._key_columns(idx)
-        rows = int8_rows(self._decoded_key_cols(idx, torch.float32), step)
+        coefs, step = self._decoded_key_cols(idx, torch.float32)
+        rows = int8_rows(coefs, step)
         memo = getattr(self, "_int8_blocks", None)
         if memo is None or memo[0] is not self.basis_k:
             blocks = head_blocks(self.basis_k, self.heads)
@@ -74,9 +74,11 @@ class KeyRebuild:
         keys = int8_keys(memo[1], memo[2], rows, step)
         return torch.matmul(qf, self._rotated(keys, idx)).mul_(scaling)
 
-    def _decoded_key_cols(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _decoded_key_cols(self, idx: torch.Tensor,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stored keys `idx` [B, k] decoded token axis last in `dtype`, [B, r, k], as `planar_basis`
-        multiplies them: int8 codes times their scale, then the lower bands in `plane_order`."""
+        multiplies them: int8 codes times their scale, then the lower bands in `plane_order`; and the
+        scales [B, 1, k] (None for model-dtype coefficients)."""
         cols, scale = self._key_columns(idx)
         batch, k = idx.shape
         lead = self.plan_k.lead
@@ -88,7 +90,7 @@ class KeyRebuild:
         if self._tk is not None:
             codes, steps = gather_token_rows(self._tk, idx), gather_token_rows(self._tsk, idx)
             decode_planar(codes, steps, self.plan_k, out[:, lead:])
-        return out
+        return out, scale
 
     def _rebuilt_keys(self, idx: torch.Tensor) -> torch.Tensor:
         """The stored keys `idx` [H or 1, k] rebuilt dimension-major in fp32, [H, d, k]
