@@ -4,7 +4,7 @@ inside the step, on real layers of a book prefill, with the step's floor beside.
     python -m research.profile_kernels --tokens 7600 --specs s4r@5,s4r-fast@5,s4r@2.5 --threads 1
 
 Each kernel is wrapped with a clock (the step's own total is timed unwrapped too); `rest` is the step
-less its kernels: the key and value basis products (torch), the update and the Python between kernels.
+less its kernels: the int8 key products (torch), the update and the Python between kernels.
 The floor is `s4r.bench.floors.s4r_floor` (bytes the step must read, multiply-adds it must do).
 """
 
@@ -26,9 +26,10 @@ from s4r.core.rope import model_rope_fn
 from s4r.hf.attention import causal_attention
 from s4r.kernels import s4r_step
 
-KERNELS = ("project_queries", "exact_logits", "latent_logits", "normaliser", "combine_normalisers",
-           "pooled_relevance", "choose_tokens", "decode_rows", "decode_rows_int8", "rotated_key_logits",
-           "latent_key_logits", "softmax_exact_values", "weighted_value_rows")
+KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "normaliser",
+           "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows", "decode_rows_int8",
+           "rotated_key_logits", "latent_key_logits", "softmax_exact_values", "weighted_value_rows",
+           "add_value_basis")
 
 
 def clocked(times: dict[str, float], name: str, fn):

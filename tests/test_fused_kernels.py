@@ -327,7 +327,7 @@ def test_decode_rows_int8_kernel_is_the_int8_rows_reference(tails):
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ()])
 def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, tails):
-    """z[b, m] += probabilities times the decoded value rows of the selected tokens, each group's rows
+    """z[b, m] = probabilities times the decoded value rows of the selected tokens, each group's rows
     weighted by its own query rows, over a count that is not a multiple of the kernel's token block."""
     from s4r.core.band_plan import BandPlan
     from s4r.core.coef_bands import decode_tails
@@ -339,8 +339,7 @@ def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, 
     idx = torch.randperm(300, generator=torch.Generator().manual_seed(4))[:45].sort().values
     k, rows = idx.shape[0], 9 // groups
     probs = torch.rand(9, k + 5)
-    z = torch.randn(groups, rows, plan.rank)
-    start = z.clone()
+    z = torch.randn(groups, rows, plan.rank)  # what an earlier step left: overwritten
     bits = torch.tensor([b for b, _ in tails], dtype=torch.int64).numpy()
     widths = torch.tensor([w for _, w in tails], dtype=torch.int64).numpy()
     weighted_value_rows(probs.numpy(), idx.numpy(), k, lead_codes.numpy(), as_numpy(scale),
@@ -348,5 +347,32 @@ def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, 
     decoded = lead_codes[:, idx].float() * scale[:, idx, None].float()
     if tails:
         decoded = torch.cat([decoded, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)
-    want = start + torch.matmul(probs[:, :k].view(groups, rows, k), decoded)
+    want = torch.matmul(probs[:, :k].view(groups, rows, k), decoded)
     torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128, 24])
+def test_add_value_basis_kernel_is_a_batched_product(d):
+    """out[h] += z's rows of head h times head h's block of the value basis, for the head sizes with
+    their own loops and one without."""
+    from s4r.kernels.sparse_attention import add_value_basis
+
+    gen = torch.Generator().manual_seed(d)
+    heads, rows, rank = 3, 3, 37
+    z, basis = torch.randn(heads * rows, rank, generator=gen), torch.randn(heads, rank, d, generator=gen)
+    out = torch.randn(heads, rows, d, generator=gen)
+    want = out + torch.bmm(z.view(heads, rows, rank), basis)
+    add_value_basis(z.numpy(), basis.numpy(), out.numpy())
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_query_rows_kernel_widens_the_steps_query(dtype):
+    """The step's query [1, H * M, 1, d] as fp32 rows [H, M, d], bf16 widened exactly."""
+    from s4r.kernels.jit import as_numpy
+    from s4r.kernels.latent_scoring import query_rows
+
+    query = torch.randn(1, 9, 1, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = torch.full((3, 3, 64), float("nan"))
+    query_rows(as_numpy(query), out.numpy())
+    assert torch.equal(out, query.float().view(3, 3, 64))

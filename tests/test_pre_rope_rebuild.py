@@ -12,7 +12,17 @@ from s4r.config import S4RConfig
 from s4r.core.coef_bands import decode_tails
 from s4r.core.compress import compress_layer
 from s4r.core.latent import chunked_latent_logits, latent_logits
-from s4r.core.rope import apply_rope, chunk_rotations, half_angles, model_rope_fn, rotate_dim_major, shifted
+from s4r.core.rope import (
+    ANGLE_STEP,
+    angle_parts,
+    angle_rows,
+    apply_rope,
+    chunk_rotations,
+    half_angles,
+    model_rope_fn,
+    rotate_dim_major,
+    shifted,
+)
 from s4r.core.subspace import head_blocks
 from tests.helpers import tiny_model
 
@@ -76,6 +86,24 @@ def test_the_angle_table_gives_the_computed_angles_and_regrows():
     moved = shifted(rope, 7000)  # a segment's positions: the offset joins the table's index
     assert all(torch.equal(a, b) for a, b in zip(half_angles(moved, positions, 5000),
                                                  half_angles(rope, positions + 7000), strict=True))
+
+
+def test_angle_parts_compose_every_positions_angles_and_regrow():
+    rope = rope_of(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 1024})
+    for upto in (3001, 9000):  # within the first tables, then past them after a regrowth
+        coarse, fine = angle_parts(rope.rotary, upto)
+        assert coarse.shape[0] * ANGLE_STEP > upto
+        positions = torch.tensor([0, 1, 63, 64, 65, 900, 3000, upto - 1])
+        a, b = coarse[positions // ANGLE_STEP], fine[positions % ANGLE_STEP]
+        half = a.shape[1] // 2
+        cos = a[:, :half] * b[:, :half] - a[:, half:] * b[:, half:]
+        sin = a[:, half:] * b[:, :half] + a[:, :half] * b[:, half:]
+        table = angle_rows(rope.rotary, upto)[positions]
+        assert float(table[:, :half].abs().max()) > 1.0  # yarn's attention scaling rides on the coarse rows
+        # the table's fp32 phase of position 9,000 is off by up to 2.4e-4 rad (half an ulp), the sum not
+        torch.testing.assert_close(torch.cat([cos, sin], 1), table, rtol=0, atol=6e-4)
+        torch.testing.assert_close(torch.cat([cos, sin], 1)[:5], table[:5], rtol=0, atol=1e-6)
 
 
 def test_dimension_major_rotation_is_apply_rope():

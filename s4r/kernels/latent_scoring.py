@@ -21,6 +21,17 @@ TILE = 512  # tokens per tile: the int32 accumulator and the band's tile stay in
 
 
 @kernel
+def query_rows(query, out):
+    """out [H, M, d] = the step's query [1, H * M, 1, d] in fp32 (bf16 bits widened)."""
+    heads, rows, d = out.shape
+    for h in range(heads):
+        for m in range(rows):
+            src, dst = query[0, h * rows + m, 0], out[h, m]
+            for i in range(d):
+                dst[i] = as_f32(src[i])
+
+
+@kernel
 def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull):
     """q [H, M, d] fp32 query rows -> per chunk c: int8 lead coefficients q8 [C, R, lead] and their
     scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients qfull [R, F] (F = rk where

@@ -3,19 +3,20 @@
 Reference: `LowRankLayer.attend_folded` (one layer) and `SegmentedLayer._attend_globally` (segments
 chosen together), which stay the eager path; `usable` says where this one applies (one query token, a
 CPU, `query` scoring with one token set for every head, int8 coefficients, bf16 or fp32 tensors, a
-rotary embedding with static frequencies for pre-RoPE keys). Buffers are kept per layer and reused, grown
-only when the context outgrows them.
+rotary embedding with static frequencies for pre-RoPE keys). Buffers are kept per thread, shared by the
+layers, and reused, grown only when the context outgrows them.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
 
 from s4r.core.int8_rebuild import int8_basis
-from s4r.core.rope import angle_rows, chunk_rotations, last_answer
+from s4r.core.rope import angle_parts, chunk_rotations, last_answer
 from s4r.kernels import jit
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
@@ -25,8 +26,10 @@ from s4r.kernels.latent_scoring import (
     normaliser,
     pooled_relevance,
     project_queries,
+    query_rows,
 )
 from s4r.kernels.sparse_attention import (
+    add_value_basis,
     band_arrays,
     decode_rows,
     decode_rows_int8,
@@ -59,8 +62,9 @@ def usable(layer, query: torch.Tensor) -> bool:
 
 
 class Scratch:
-    """Named buffers of one layer, reused from step to step and regrown when a shape outgrows them; each
-    name keeps the views of its last few shapes, so the shapes a step alternates between cost nothing."""
+    """Named buffers (of one segment position), reused from layer to layer and regrown when a shape
+    outgrows them; each name keeps the views of its last few shapes, so the shapes a step alternates
+    between cost nothing."""
 
     SHAPES = 8  # views kept per name (a name asked at a new shape every step keeps only its latest)
 
@@ -94,14 +98,56 @@ class Scratch:
         return self._view(name, shape, dtype)[1]
 
 
-def _scratch(layer) -> Scratch:
-    scratch = getattr(layer, "_fused_scratch", None)
-    if scratch is None:
-        scratch = layer._fused_scratch = Scratch()
-    return scratch
+_pool = threading.local()
 
 
-def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, np.ndarray]:
+def _scratch(position: int) -> Scratch:
+    """The scratch of the `position`th segment of a step, one per thread shared by every layer: a step's
+    layers run one after another, and buffers the previous layer just used are still in cache where a
+    buffer of each layer's own (30 of them on the default model) is not."""
+    scratches = getattr(_pool, "scratches", None)
+    if scratches is None:
+        scratches = _pool.scratches = []
+    while len(scratches) <= position:
+        scratches.append(Scratch())
+    return scratches[position]
+
+
+class _Storage:
+    """Numpy views of what the kernels read of one layer, `as_numpy` of its tensors."""
+
+    __slots__ = ("ck", "sk", "ek", "ev", "cv", "sv", "tk", "tsk", "tv", "tsv", "out_idx", "bits_k",
+                 "widths_k", "bits_v", "widths_v")
+
+    def __init__(self, layer) -> None:
+        self.ck, self.sk, self.ek = as_numpy(layer._ck), as_numpy(layer._sk), as_numpy(layer._ek)
+        self.cv, self.sv, self.ev = as_numpy(layer._cv), as_numpy(layer._sv), as_numpy(layer._ev)
+        self.tk, self.tsk = tail_arrays(layer, keys=True)
+        self.tv, self.tsv = tail_arrays(layer, keys=False)
+        self.out_idx = _NO_OUTLIERS if layer.out_idx is None else layer.out_idx.numpy()
+        self.bits_k, self.widths_k = band_arrays(layer, keys=True)
+        self.bits_v, self.widths_v = band_arrays(layer, keys=False)
+
+
+def _storage(layer) -> _Storage:
+    """The layer's `_Storage`, kept while its tensors are the same objects (a fold, a growth or a
+    truncation replaces them; nothing resizes one in place)."""
+    tensors = (layer._ck, layer._sk, layer._ek, layer._ev, layer._cv, layer._sv, layer._tk, layer._tsk,
+               layer._tv, layer._tsv, layer.out_idx, layer.plan_k, layer.plan_v)
+    memo = getattr(layer, "_fused_storage", None)
+    if memo is not None:
+        kept = memo[0]
+        for i in range(len(tensors)):
+            if kept[i] is not tensors[i]:
+                break
+        else:
+            return memo[1]
+    views = _Storage(layer)
+    layer._fused_storage = (tensors, views)
+    return views
+
+
+def _bases(layer) -> tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]:
     """(fp32 key blocks [H, d, rk] as numpy, the key basis transposed for the rebuild [G, rk, W], fp32
     value blocks transposed [H, rv, d], the rebuild basis' scales per key dimension [G, W] (int8; else
     empty)), kept while the bases are the same tensors and the rebuild's dtype the same."""
@@ -121,7 +167,7 @@ def _bases(layer) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, np.ndarray]:
             rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
             col_scale = np.zeros((rebuild.shape[0], 0), np.float32)
         blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
-        memo = (layer.basis_k, layer.basis_v, int8, blocks_k.numpy(), rebuild, blocks_v, col_scale)
+        memo = (layer.basis_k, layer.basis_v, int8, blocks_k.numpy(), rebuild, blocks_v.numpy(), col_scale)
         layer._fused_bases = memo
     return memo[3], memo[4], memo[5], memo[6]
 
@@ -155,8 +201,8 @@ def _rotations(layer, n: int, d: int):
 class _Part:
     """What scoring one segment left for its attention."""
 
-    def __init__(self, layer, off: int, el: np.ndarray, qfull: np.ndarray) -> None:
-        self.layer, self.off, self.el, self.qfull = layer, off, el, qfull
+    def __init__(self, layer, scratch: Scratch, off: int, el: np.ndarray, qfull: np.ndarray) -> None:
+        self.layer, self.scratch, self.off, self.el, self.qfull = layer, scratch, off, el, qfull
 
 
 def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,10 +212,10 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     heads, d = last.heads, last.head_dim
     rows = query.shape[1] // heads
     nrows = heads * rows
-    qf = query[0].reshape(heads, rows, d).float().contiguous()
-    q = qf.numpy()
     total_n = sum(s._n for s in segments)
-    joint = _scratch(segments[0])
+    joint = _scratch(0)
+    q = joint.np("query", (heads, rows, d))
+    query_rows(as_numpy(query), q)
     logits = joint.np("logits", (nrows, total_n))
     scores = joint.np("scores", (total_n,))
     rowmax = joint.np("rowmax", (len(segments), nrows))
@@ -183,7 +229,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     cand_total = total_n - min(forced, total_n)
     parts, off = [], 0
     for i, seg in enumerate(segments):
-        scratch, n, e = _scratch(seg), seg._n, seg.exact_length
+        scratch, n, e, st = _scratch(i), seg._n, seg.exact_length, _storage(seg)
         blocks_k = _bases(seg)[0]
         lead, rk = seg.plan_k.lead, blocks_k.shape[2]
         undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, n, d)
@@ -193,21 +239,19 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
         qscale, qfull = scratch.np("qscale", (chunks, nrows)), scratch.np("qfull", (nrows, full))
         project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks_k, lead, scaling, q8, qscale, qfull)
         el = scratch.np("el", (nrows, e))
-        exact_logits(q, as_numpy(seg._ek), e, scaling, el)
-        latent_logits(q8, qscale, bounds, as_numpy(seg._ck), as_numpy(seg._sk), n, rows, logits, off)
-        out_idx = _NO_OUTLIERS if seg.out_idx is None else seg.out_idx.numpy()
+        exact_logits(q, st.ek, e, scaling, el)
+        latent_logits(q8, qscale, bounds, st.ck, st.sk, n, rows, logits, off)
         cand = min(max(cand_total - off, 0), n)
-        normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, out_idx, cand, rowmax[i], rowsum[i],
+        normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, st.out_idx, cand, rowmax[i], rowsum[i],
                    candsum[i], scratch.np("keep", (n,)))
-        parts.append(_Part(seg, off, el, qfull))
+        parts.append(_Part(seg, scratch, off, el, qfull))
         off += n
     combine_normalisers(rowmax, rowsum, candsum, lse, candmass)
     for part in parts:
         seg = part.layer
-        out_idx = _NO_OUTLIERS if seg.out_idx is None else seg.out_idx.numpy()
         pool = seg.cfg.pool_kernel
-        pooled_relevance(logits, part.off, seg._n, lse, pool, out_idx, seg._n_out,
-                         _scratch(seg).np("pool", (seg._n + pool,)), scores)
+        pooled_relevance(logits, part.off, seg._n, lse, pool, _storage(seg).out_idx, seg._n_out,
+                         part.scratch.np("pool", (seg._n + pool,)), scores)
     if (room := last._token_room(forced)) is not None:
         k, k_max = min(k, room), min(k_max, room)
     picked = joint.np("picked", (total_n,), torch.int64)
@@ -218,10 +262,11 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     results = []
     for part in parts:
         seg = part.layer
-        # picked is in ascending order: each segment's tokens are one run of it
-        lo, hi = np.searchsorted(picked, (part.off, part.off + seg._n))
-        mine = picked[lo:hi] - part.off if part.off else picked[lo:hi]
-        results.append(_attend_part(part, mine, qf, logits, scaling, rows))
+        mine = picked
+        if len(parts) > 1:  # picked is in ascending order: each segment's tokens are one run of it
+            lo, hi = np.searchsorted(picked, (part.off, part.off + seg._n))
+            mine = picked[lo:hi] - part.off if part.off else picked[lo:hi]
+        results.append(_attend_part(part, mine, q, logits, scaling, rows))
         seg.fold_buffer()
     return results
 
@@ -234,7 +279,7 @@ def _blocks(k: int, block: int):
         yield start, end, max(BUCKET, -(-(end - start) // BUCKET) * BUCKET)
 
 
-def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndarray, scaling: float,
+def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray, scaling: float,
                  rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     seg = part.layer
     heads, d = seg.heads, seg.head_dim
@@ -244,19 +289,16 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
     seg.rebuilt_tokens += k
     seg.scored_tokens += seg._n
     idx = np.ascontiguousarray(idx)
-    scratch = _scratch(seg)
+    scratch, st = part.scratch, _storage(seg)
     _, rebuild_t, blocks_v, col_scale = _bases(seg)
     sel = scratch.np("sel", (nrows, max(BUCKET, -(-k // BUCKET) * BUCKET)))
     e = seg.exact_length
     if seg.cfg.key_space == "pre_rope":
         # rebuilt a block at a time, so each block's keys are still in cache when they are rotated
         groups, rk, width = rebuild_t.shape
-        bits, widths = band_arrays(seg, keys=True)
-        tk, tsk = tail_arrays(seg, keys=True)
-        ck, sk = as_numpy(seg._ck), as_numpy(seg._sk)
+        bits, widths, tk, tsk, ck, sk = st.bits_k, st.widths_k, st.tk, st.tsk, st.ck, st.sk
         offset = getattr(seg.rope, "offset", 0)
-        angles = angle_rows(seg.rope.rotary, seg.sinks + seg._n + offset).numpy()
-        q = qf.numpy()
+        coarse, fine = (t.numpy() for t in angle_parts(seg.rope.rotary, seg.sinks + seg._n + offset))
         int8 = rebuild_t.dtype == torch.int8
         row_scale = scratch.np("row_scale", (groups, 0))
         for start, end, pad in _blocks(k, INT8_BLOCK if int8 else BLOCK):
@@ -265,8 +307,9 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
                 row_scale = scratch.np("row_scale", (groups, pad))
                 decode_rows_int8(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, coefs_np,
                                  row_scale)
-                sums = [torch._int_mm(coefs[g], rebuild_t[g]).numpy() for g in range(groups)]  # int32
-                keys_np = sums[0][None] if groups == 1 else np.stack(sums)
+                sums, keys_np = scratch._view("sums", (groups, pad, width), torch.int32)
+                for g in range(groups):
+                    torch._int_mm(coefs[g], rebuild_t[g], out=sums[g])
             else:
                 decode_rows(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, True, coefs_np)
                 keys, keys_np = scratch._view("keys", (groups, pad, width), rebuild_t.dtype)
@@ -274,26 +317,22 @@ def _attend_part(part: _Part, idx: np.ndarray, qf: torch.Tensor, logits: np.ndar
                     torch.matmul(coefs[0], rebuild_t[0], out=keys[0])
                 else:
                     torch.matmul(coefs, rebuild_t, out=keys)
-            rotated_key_logits(q, keys_np, idx[start:end], end - start, seg.sinks + offset, angles, scaling,
-                               col_scale, row_scale, sel[:, start:end])
+            rotated_key_logits(q, keys_np, idx[start:end], end - start, seg.sinks + offset, coarse, fine,
+                               scaling, col_scale, row_scale, sel[:, start:end])
     else:
         lead = seg.plan_k.lead
         qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - lead))
         np.multiply(part.qfull[:, lead:], np.float32(scaling), out=qtail)
-        bits, widths = band_arrays(seg, keys=True)
-        tk, tsk = tail_arrays(seg, keys=True)
-        latent_key_logits(logits, part.off, idx, k, qtail, tk, tsk, bits, widths, rows, sel)
+        latent_key_logits(logits, part.off, idx, k, qtail, st.tk, st.tsk, st.bits_k, st.widths_k, rows, sel)
     out = torch.empty(heads, rows, d)
     lse = torch.empty(heads, rows)
-    softmax_exact_values(part.el, e, sel, k, as_numpy(seg._ev), out.numpy(), lse.view(-1).numpy())
+    out_np = out.numpy()
+    softmax_exact_values(part.el, e, sel, k, st.ev, out_np, lse.view(-1).numpy())
     if k:
         groups_v, rv = seg._cv.shape[0], blocks_v.shape[1]
-        bits, widths = band_arrays(seg, keys=False)
-        tv, tsv = tail_arrays(seg, keys=False)
-        cv, sv = as_numpy(seg._cv), as_numpy(seg._sv)
-        z = scratch.get("z", (groups_v, nrows // groups_v, rv)).zero_()
-        weighted_value_rows(sel, idx, k, cv, sv, tv, tsv, bits, widths, z.numpy())
-        out.baddbmm_(z.view(heads, rows, rv), blocks_v)
+        z = scratch.np("z", (groups_v, nrows // groups_v, rv))
+        weighted_value_rows(sel, idx, k, st.cv, st.sv, st.tv, st.tsv, st.bits_v, st.widths_v, z)
+        add_value_basis(z.reshape(nrows, rv), blocks_v, out_np)
     return out, lse
 
 
