@@ -376,3 +376,17 @@ def test_query_rows_kernel_widens_the_steps_query(dtype):
     out = torch.full((3, 3, 64), float("nan"))
     query_rows(as_numpy(query), out.numpy())
     assert torch.equal(out, query.float().view(3, 3, 64))
+
+
+def test_the_shared_scratch_serves_steps_inside_and_outside_inference_mode():
+    """Every layer of a thread shares the step's buffers: one made under inference_mode serves a step
+    outside it (torch refuses writes there into a tensor or view made inside), and the other way round."""
+    rope = rope_for(4, 2)
+    keys, values, queries = kv_data(2, 4, 300, torch.float32)
+    layers = [compress_layer(keys, values, queries, CONFIGS["pre-rope-int8-rebuild"], 24, 24, rope)
+              for _ in range(2)]
+    with torch.inference_mode():
+        inside = step_both(layers[0], 4, 2, torch.float32)
+    outside = step_both(layers[1], 4, 2, torch.float32)
+    for fused, eager, _ in (inside, outside):
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)

@@ -79,13 +79,16 @@ class Scratch:
             return hit
         size = math.prod(shape)
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < size or buf.dtype != dtype:
-            buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
-            self._bufs[name] = buf
-            views.clear()
-        if len(views) >= self.SHAPES:
-            views.clear()
-        view = buf[:size].view(shape)
+        # normal tensors, also when asked under inference_mode: torch writes into some of them (`out=`),
+        # which it refuses outside inference_mode for a tensor or a view made inside it
+        with torch.inference_mode(False):
+            if buf is None or buf.numel() < size or buf.dtype != dtype:
+                buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
+                self._bufs[name] = buf
+                views.clear()
+            if len(views) >= self.SHAPES:
+                views.clear()
+            view = buf[:size].view(shape)
         hit = views[(shape, dtype)] = (view, as_numpy(view))
         return hit
 
