@@ -380,7 +380,7 @@ def test_query_rows_kernel_widens_the_steps_query(dtype):
 
 def test_the_shared_scratch_serves_steps_inside_and_outside_inference_mode():
     """Every layer of a thread shares the step's buffers: one made under inference_mode serves a step
-    outside it (torch refuses writes there into a tensor or view made inside), and the other way round."""
+    outside it (torch refuses writes there into a tensor or a view made inside)."""
     rope = rope_for(4, 2)
     keys, values, queries = kv_data(2, 4, 300, torch.float32)
     layers = [compress_layer(keys, values, queries, CONFIGS["pre-rope-int8-rebuild"], 24, 24, rope)

@@ -307,8 +307,8 @@ def rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, 
     Keys of an int8 product come as int32 sums: column c of basis group b is scaled by col_scale[b, c]
     and token j's logits by row_scale[b, j]; other keys pass empty scales."""
     half = q.shape[2] // 2
-    # the common head sizes get loops of a known trip count, which LLVM vectorizes whole (a 64-wide
-    # head's step 25% faster than with its count known only at run time)
+    # the common head sizes get loops of a known trip count, which LLVM vectorizes whole (the same loops
+    # with the count known only at run time ran slower)
     if half == 32:
         _rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 32)
     elif half == 64:
