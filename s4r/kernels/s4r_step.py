@@ -9,14 +9,12 @@ layers, and reused, grown only when the context outgrows them.
 
 from __future__ import annotations
 
-import math
-import threading
-
 import numpy as np
 import torch
 
 from s4r.core.int8_rebuild import int8_basis
-from s4r.core.rope import angle_parts, chunk_rotations, last_answer
+from s4r.core.rope import ANGLE_STEP, angle_parts, chunk_rotations, last_answer
+from s4r.core.subspace import head_blocks
 from s4r.kernels import jit
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
@@ -28,6 +26,7 @@ from s4r.kernels.latent_scoring import (
     project_queries,
     query_rows,
 )
+from s4r.kernels.scratch import Scratch, thread_scratch
 from s4r.kernels.sparse_attention import (
     add_value_basis,
     band_arrays,
@@ -53,76 +52,43 @@ _NO_OUTLIERS = np.zeros(0, np.int32)
 
 def usable(layer, query: torch.Tensor) -> bool:
     """Whether the fused step computes this layer's attention of `query` [1, Hq, q, d]."""
-    cfg = layer.cfg
+    return _usable_views(layer, query) is not None
+
+
+def _usable_views(layer, query: torch.Tensor) -> _Views | None:
+    """The layer's `_Views` where the fused step computes its attention of `query`, else None."""
     if query.shape[2] != 1 or query.device.type != "cpu" or not layer._n:
-        return False
+        return None
+    views = _views(layer)
+    return views if views.fusable and jit.available() else None
+
+
+def _fusable(layer) -> bool:
+    """`usable`'s checks of the layer's settings and storage (those `_Views` keeps)."""
+    cfg = layer.cfg
     if cfg.scoring != "query" or not cfg.shared_selection or layer.query_coef is not None:
         return False
     return storage_fusable(layer)
 
 
-class Scratch:
-    """Named buffers (of one segment position), reused from layer to layer and regrown when a shape
-    outgrows them; each name keeps the views of its last few shapes, so the shapes a step alternates
-    between cost nothing."""
-
-    SHAPES = 8  # views kept per name (a name asked at a new shape every step keeps only its latest)
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._views: dict[str, dict[tuple, tuple[torch.Tensor, np.ndarray]]] = {}
-
-    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
-        views = self._views.setdefault(name, {})
-        hit = views.get((shape, dtype))
-        if hit is not None:
-            return hit
-        size = math.prod(shape)
-        buf = self._bufs.get(name)
-        # normal tensors, also when asked under inference_mode: torch writes into some of them (`out=`),
-        # which it refuses outside inference_mode for a tensor or a view made inside it
-        with torch.inference_mode(False):
-            if buf is None or buf.numel() < size or buf.dtype != dtype:
-                buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
-                self._bufs[name] = buf
-                views.clear()
-            if len(views) >= self.SHAPES:
-                views.clear()
-            view = buf[:size].view(shape)
-        hit = views[(shape, dtype)] = (view, as_numpy(view))
-        return hit
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The buffer `name` as a tensor of `shape` (contents left from earlier steps)."""
-        return self._view(name, shape, dtype)[0]
-
-    def np(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> np.ndarray:
-        """`get` as a numpy view (bf16 as its bits)."""
-        return self._view(name, shape, dtype)[1]
+def _key(layer) -> tuple:
+    """What `_Views` depends on, as the objects themselves (a fold, a growth or a truncation replaces a
+    tensor; nothing resizes one in place)."""
+    return (layer._ck, layer._sk, layer._ek, layer._ev, layer._cv, layer._sv, layer._tk, layer._tsk,
+            layer._tv, layer._tsv, layer.out_idx, layer.plan_k, layer.plan_v, layer.basis_k, layer.basis_v,
+            layer.cfg, layer.rope, layer.query_coef, layer.dtype)
 
 
-_pool = threading.local()
+class _Views:
+    """What the kernels read of one layer (numpy views of its storage, its bases as the kernels take
+    them) and the settings of its step, kept while `_key` is the same: a step asks for them once and
+    then reads attributes."""
 
-
-def _scratch(position: int) -> Scratch:
-    """The scratch of the `position`th segment of a step, one per thread shared by every layer: a step's
-    layers run one after another, and buffers the previous layer just used are still in cache where a
-    buffer of each layer's own (30 of them on the default model) is not."""
-    scratches = getattr(_pool, "scratches", None)
-    if scratches is None:
-        scratches = _pool.scratches = []
-    while len(scratches) <= position:
-        scratches.append(Scratch())
-    return scratches[position]
-
-
-class _Storage:
-    """Numpy views of what the kernels read of one layer, `as_numpy` of its tensors."""
-
-    __slots__ = ("ck", "sk", "ek", "ev", "cv", "sv", "tk", "tsk", "tv", "tsv", "out_idx", "bits_k",
-                 "widths_k", "bits_v", "widths_v")
-
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, key: tuple) -> None:
+        self.key, self.fusable = key, _fusable(layer)
+        if not self.fusable:
+            return
+        cfg = layer.cfg
         self.ck, self.sk, self.ek = as_numpy(layer._ck), as_numpy(layer._sk), as_numpy(layer._ek)
         self.cv, self.sv, self.ev = as_numpy(layer._cv), as_numpy(layer._sv), as_numpy(layer._ev)
         self.tk, self.tsk = tail_arrays(layer, keys=True)
@@ -130,59 +96,71 @@ class _Storage:
         self.out_idx = _NO_OUTLIERS if layer.out_idx is None else layer.out_idx.numpy()
         self.bits_k, self.widths_k = band_arrays(layer, keys=True)
         self.bits_v, self.widths_v = band_arrays(layer, keys=False)
-
-
-def _storage(layer) -> _Storage:
-    """The layer's `_Storage`, kept while its tensors are the same objects (a fold, a growth or a
-    truncation replaces them; nothing resizes one in place)."""
-    tensors = (layer._ck, layer._sk, layer._ek, layer._ev, layer._cv, layer._sv, layer._tk, layer._tsk,
-               layer._tv, layer._tsv, layer.out_idx, layer.plan_k, layer.plan_v)
-    memo = getattr(layer, "_fused_storage", None)
-    if memo is not None:
-        kept = memo[0]
-        for i in range(len(tensors)):
-            if kept[i] is not tensors[i]:
-                break
-        else:
-            return memo[1]
-    views = _Storage(layer)
-    layer._fused_storage = (tensors, views)
-    return views
-
-
-def _bases(layer) -> tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]:
-    """(fp32 key blocks [H, d, rk] as numpy, the key basis transposed for the rebuild [G, rk, W], fp32
-    value blocks transposed [H, rv, d], the rebuild basis' scales per key dimension [G, W] (int8; else
-    empty)), kept while the bases are the same tensors and the rebuild's dtype the same."""
-    int8 = layer.rebuild_int8
-    memo = getattr(layer, "_fused_bases", None)
-    if memo is None or memo[0] is not layer.basis_k or memo[1] is not layer.basis_v or memo[2] != int8:
-        from s4r.core.subspace import head_blocks
-
-        blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous()
-        if int8:  # codes [G, W, rk] with a scale per key dimension, as `int8_basis` quantizes
+        self.int8 = layer.rebuild_int8
+        self.blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous().numpy()
+        if self.int8:  # codes [G, W, rk] with a scale per key dimension, as `int8_basis` quantizes
             codes, scale = int8_basis(layer.basis_k)
-            rebuild, col_scale = codes.transpose(1, 2).contiguous(), scale[..., 0].contiguous().numpy()
+            rebuild, self.col_scale = codes.transpose(1, 2).contiguous(), scale[..., 0].contiguous().numpy()
         else:
             # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in
             # fp32 where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
-            dtype = rebuild_work_dtype(layer)
-            rebuild = layer.basis_k.transpose(1, 2).to(dtype).contiguous()
-            col_scale = np.zeros((rebuild.shape[0], 0), np.float32)
-        blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous()
-        memo = (layer.basis_k, layer.basis_v, int8, blocks_k.numpy(), rebuild, blocks_v.numpy(), col_scale)
-        layer._fused_bases = memo
-    return memo[3], memo[4], memo[5], memo[6]
+            rebuild = layer.basis_k.transpose(1, 2).to(rebuild_work_dtype(layer)).contiguous()
+            self.col_scale = np.zeros((rebuild.shape[0], 0), np.float32)
+        self.rebuild, self.rebuild_g = rebuild, list(rebuild)
+        self.groups, self.rk, self.width = rebuild.shape
+        self.blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous().numpy()
+        self.groups_v, self.rv = layer._cv.shape[0], self.blocks_v.shape[1]
+        self.lead, self.pool, self.drop = layer.plan_k.lead, cfg.pool_kernel, cfg.recon_drop
+        self.local_window, self.chunk = cfg.local_window, cfg.rope_chunk
+        self.expected = cfg.rope_scoring == "expected"
+        self.pre_rope = cfg.key_space == "pre_rope"
+        self.rotary = layer.rope.rotary if self.pre_rope else None
+        self.offset = getattr(layer.rope, "offset", 0)
+        self.angles: tuple[np.ndarray, np.ndarray] | None = None
+        self.angles_upto = -1
+        self.bounds_key: tuple | None = None
+        self.bounds: tuple[int, int, int, int | None] = (0, 0, 0, None)
+
+    def angle_parts(self, upto: int) -> tuple[np.ndarray, np.ndarray]:
+        """`angle_parts` of the layer's rotary embedding as numpy, covering the positions up to `upto`."""
+        if self.angles is None or upto > self.angles_upto:
+            coarse, fine = angle_parts(self.rotary, upto)
+            self.angles, self.angles_upto = (coarse.numpy(), fine.numpy()), coarse.shape[0] * ANGLE_STEP - 1
+        return self.angles
+
+    def selection(self, layer, local: bool) -> tuple[int, int, int, int | None]:
+        """(fewest, most, forced, room): `selection_bounds` and `_token_room` of its forced count, kept
+        while the stored and outlier counts and the forced local window are the same."""
+        forced = max(0, self.local_window - layer._n_buf) if local else 0  # as `selection_size` counts it
+        key = (layer._n, layer._n_out, forced, local)
+        if key != self.bounds_key:
+            fewest, most, forced = layer.selection_bounds(local=local)
+            self.bounds_key, self.bounds = key, (fewest, most, forced, layer._token_room(forced))
+        return self.bounds
 
 
-def _rotations(layer, n: int, d: int):
+def _views(layer) -> _Views:
+    """The layer's `_Views`, rebuilt when any object of its `_key` changed."""
+    key = _key(layer)
+    memo = getattr(layer, "_fused_views", None)
+    if memo is not None:
+        kept = memo.key
+        for i in range(len(key)):
+            if kept[i] is not key[i]:
+                break
+        else:
+            return memo
+    memo = layer._fused_views = _Views(layer, key)
+    return memo
+
+
+def _rotations(layer, v: _Views, n: int, d: int):
     """(undo, cos_q, sin_q, chunk cos [C, d], chunk sin [C, d], bounds [C + 1]) of the step's query."""
-    if layer.cfg.key_space != "pre_rope":
+    if not v.pre_rope:
         return (False, np.ones(d, np.float32), np.zeros(d, np.float32), np.ones((1, d), np.float32),
                 np.zeros((1, d), np.float32), np.array([0, n], dtype=np.int64))
     end = layer.logical if layer.query_end is None else layer.query_end
-    expected = layer.cfg.rope_scoring == "expected"
-    chunk = layer.cfg.rope_chunk or n
+    expected, chunk = v.expected, v.chunk or n
 
     def compute() -> tuple:
         cos_q, sin_q = layer._query_angles(end, 1, torch.device("cpu"))
@@ -194,29 +172,35 @@ def _rotations(layer, n: int, d: int):
         bounds, cos, sin = rotations
         return True, cos_q, sin_q, cos.numpy(), sin.numpy(), np.asarray(bounds, dtype=np.int64)
 
-    if not hasattr(layer.rope, "rotary"):  # frequencies that may change: no memo
-        return compute()
-    # every layer of a step asks the same: the numpy tables are kept once on the shared rope
-    key = (end, n, d, chunk, expected, layer.sinks, layer.dtype)
+    # every layer of a step asks the same: the numpy tables are kept once on the shared rope (`_Views`
+    # holds pre-RoPE layers with static frequencies only)
+    key = (end, n, d, chunk, expected, layer.sinks, v.key[-1])  # the key's last object: the layer's dtype
     return last_answer(layer.rope, "fused_rotation_memo", key, compute)
 
 
 class _Part:
     """What scoring one segment left for its attention."""
 
-    def __init__(self, layer, scratch: Scratch, off: int, el: np.ndarray, qfull: np.ndarray) -> None:
-        self.layer, self.scratch, self.off, self.el, self.qfull = layer, scratch, off, el, qfull
+    __slots__ = ("layer", "views", "scratch", "off", "el", "qfull")
+
+    def __init__(self, layer, views: _Views, scratch: Scratch, off: int, el: np.ndarray,
+                 qfull: np.ndarray) -> None:
+        self.layer, self.views, self.scratch = layer, views, scratch
+        self.off, self.el, self.qfull = off, el, qfull
 
 
-def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def attend(segments: list, query: torch.Tensor, scaling: float,
+           views: list[_Views] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each segment's (fp32 output [H, M, d], logsumexp [H, M]) of `query` [1, Hq, 1, d], the stored
-    tokens chosen once over every segment (for one segment: `LowRankLayer.attend_folded`)."""
+    tokens chosen once over every segment (for one segment: `LowRankLayer.attend_folded`); `views`: the
+    segments' `_views` where the caller has them."""
     last = segments[-1]
     heads, d = last.heads, last.head_dim
     rows = query.shape[1] // heads
     nrows = heads * rows
+    views = views or [_views(s) for s in segments]
     total_n = sum(s._n for s in segments)
-    joint = _scratch(0)
+    joint = thread_scratch(0)
     q = joint.np("query", (heads, rows, d))
     query_rows(as_numpy(query), q)
     logits = joint.np("logits", (nrows, total_n))
@@ -225,40 +209,37 @@ def attend(segments: list, query: torch.Tensor, scaling: float) -> list[tuple[to
     rowsum = joint.np("rowsum", (len(segments), nrows))
     candsum = joint.np("candsum", (len(segments), nrows))
     lse, candmass = joint.np("lse", (nrows,)), joint.np("candmass", (nrows,))
-    k, k_max, forced = 0, 0, 0
-    for seg in segments:
-        fewest, most, forced = seg.selection_bounds(local=seg is last)
+    k, k_max, forced, room = 0, 0, 0, None
+    for seg, v in zip(segments, views, strict=True):
+        fewest, most, forced, room = v.selection(seg, seg is last)
         k, k_max = k + fewest, k_max + most
     cand_total = total_n - min(forced, total_n)
     parts, off = [], 0
     for i, seg in enumerate(segments):
-        scratch, n, e, st = _scratch(i), seg._n, seg.exact_length, _storage(seg)
-        blocks_k = _bases(seg)[0]
-        lead, rk = seg.plan_k.lead, blocks_k.shape[2]
-        undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, n, d)
+        v, scratch, n, e = views[i], thread_scratch(i), seg._n, seg.exact_length
+        undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, v, n, d)
         chunks = ccos.shape[0]
-        q8 = scratch.np("q8", (chunks, nrows, lead), torch.int8)
-        full = 0 if seg.cfg.key_space == "pre_rope" else rk  # pre-RoPE keys are rebuilt, not dotted in latent
+        q8 = scratch.np("q8", (chunks, nrows, v.lead), torch.int8)
+        full = 0 if v.pre_rope else v.rk  # pre-RoPE keys are rebuilt, not dotted in latent
         qscale, qfull = scratch.np("qscale", (chunks, nrows)), scratch.np("qfull", (nrows, full))
-        project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks_k, lead, scaling, q8, qscale, qfull)
+        project_queries(q, cos_q, sin_q, undo, ccos, csin, v.blocks_k, v.lead, scaling, q8, qscale, qfull)
         el = scratch.np("el", (nrows, e))
-        exact_logits(q, st.ek, e, scaling, el)
-        latent_logits(q8, qscale, bounds, st.ck, st.sk, n, rows, logits, off)
+        exact_logits(q, v.ek, e, scaling, el)
+        latent_logits(q8, qscale, bounds, v.ck, v.sk, n, rows, logits, off)
         cand = min(max(cand_total - off, 0), n)
-        normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, st.out_idx, cand, rowmax[i], rowsum[i],
+        normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, v.out_idx, cand, rowmax[i], rowsum[i],
                    candsum[i], scratch.np("keep", (n,)))
-        parts.append(_Part(seg, scratch, off, el, qfull))
+        parts.append(_Part(seg, v, scratch, off, el, qfull))
         off += n
     combine_normalisers(rowmax, rowsum, candsum, lse, candmass)
     for part in parts:
-        seg = part.layer
-        pool = seg.cfg.pool_kernel
-        pooled_relevance(logits, part.off, seg._n, lse, pool, _storage(seg).out_idx, seg._n_out,
-                         part.scratch.np("pool", (seg._n + pool,)), scores)
-    if (room := last._token_room(forced)) is not None:
+        seg, v = part.layer, part.views
+        pooled_relevance(logits, part.off, seg._n, lse, v.pool, v.out_idx, seg._n_out,
+                         part.scratch.np("pool", (seg._n + v.pool,)), scores)
+    if room is not None:  # the last segment's cap holds over every segment
         k, k_max = min(k, room), min(k_max, room)
     picked = joint.np("picked", (total_n,), torch.int64)
-    drop = last.cfg.recon_drop
+    drop = views[-1].drop
     count = choose_tokens(scores, total_n, k, k_max, forced, 0.0 if drop is None else drop, drop is not None,
                           logits, lse, candmass, joint.np("work", (2 * total_n,)), picked)
     picked = picked[:count]
@@ -284,69 +265,67 @@ def _blocks(k: int, block: int):
 
 def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray, scaling: float,
                  rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    seg = part.layer
+    seg, v, scratch = part.layer, part.views, part.scratch
     heads, d = seg.heads, seg.head_dim
     nrows = heads * rows
     k = idx.shape[0]
-    seg.selected = torch.from_numpy(idx.copy()).unsqueeze(0).expand(heads, -1)
+    idx = np.ascontiguousarray(idx)
+    seg.selected = idx.copy()
     seg.rebuilt_tokens += k
     seg.scored_tokens += seg._n
-    idx = np.ascontiguousarray(idx)
-    scratch, st = part.scratch, _storage(seg)
-    _, rebuild_t, blocks_v, col_scale = _bases(seg)
     sel = scratch.np("sel", (nrows, max(BUCKET, -(-k // BUCKET) * BUCKET)))
     e = seg.exact_length
-    if seg.cfg.key_space == "pre_rope":
+    if v.pre_rope:
         # rebuilt a block at a time, so each block's keys are still in cache when they are rotated
-        groups, rk, width = rebuild_t.shape
-        bits, widths, tk, tsk, ck, sk = st.bits_k, st.widths_k, st.tk, st.tsk, st.ck, st.sk
-        offset = getattr(seg.rope, "offset", 0)
-        coarse, fine = (t.numpy() for t in angle_parts(seg.rope.rotary, seg.sinks + seg._n + offset))
-        int8 = rebuild_t.dtype == torch.int8
-        row_scale = scratch.np("row_scale", (groups, 0))
-        for start, end, pad in _blocks(k, INT8_BLOCK if int8 else BLOCK):
-            coefs, coefs_np = scratch._view("coefs", (groups, pad, rk), rebuild_t.dtype)
-            if int8:
-                row_scale = scratch.np("row_scale", (groups, pad))
-                decode_rows_int8(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, coefs_np,
-                                 row_scale)
-                sums, keys_np = scratch._view("sums", (groups, pad, width), torch.int32)
+        groups, rk, width, rebuild = v.groups, v.rk, v.width, v.rebuild
+        pos0 = seg.sinks + v.offset
+        coarse, fine = v.angle_parts(pos0 + seg._n)
+        if v.int8:  # every selected row decoded at once, then one product and rotation per block
+            coefs, coefs_np = scratch.view("coefs", (groups, len(sel[0]), rk), torch.int8)
+            row_scale = scratch.np("row_scale", (groups, len(sel[0])))
+            decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np, row_scale)
+            per_group = [coefs[g] for g in range(groups)]
+            for start, end, pad in _blocks(k, INT8_BLOCK):
+                sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
-                    torch._int_mm(coefs[g], rebuild_t[g], out=sums[g])
-            else:
-                decode_rows(idx[start:end], end - start, ck, sk, tk, tsk, bits, widths, True, coefs_np)
-                keys, keys_np = scratch._view("keys", (groups, pad, width), rebuild_t.dtype)
+                    torch._int_mm(per_group[g][start : start + pad], v.rebuild_g[g], out=sums[g])
+                rotated_key_logits(q, keys_np, idx[start:end], end - start, pos0, coarse, fine, scaling,
+                                   v.col_scale, row_scale[:, start:end], sel[:, start:end])
+        else:
+            no_scale = scratch.np("row_scale", (groups, 0))
+            for start, end, pad in _blocks(k, BLOCK):
+                coefs, coefs_np = scratch.view("coefs", (groups, pad, rk), rebuild.dtype)
+                block = idx[start:end]
+                decode_rows(block, end - start, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, True, coefs_np)
+                keys, keys_np = scratch.view("keys", (groups, pad, width), rebuild.dtype)
                 if groups == 1:  # one 2-D product: a batched bf16 product with `out` takes a path ~10x slower
-                    torch.matmul(coefs[0], rebuild_t[0], out=keys[0])
+                    torch.matmul(coefs[0], v.rebuild_g[0], out=keys[0])
                 else:
-                    torch.matmul(coefs, rebuild_t, out=keys)
-            rotated_key_logits(q, keys_np, idx[start:end], end - start, seg.sinks + offset, coarse, fine,
-                               scaling, col_scale, row_scale, sel[:, start:end])
+                    torch.matmul(coefs, rebuild, out=keys)
+                rotated_key_logits(q, keys_np, block, end - start, pos0, coarse, fine, scaling, v.col_scale,
+                                   no_scale, sel[:, start:end])
     else:
-        lead = seg.plan_k.lead
-        qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - lead))
-        np.multiply(part.qfull[:, lead:], np.float32(scaling), out=qtail)
-        latent_key_logits(logits, part.off, idx, k, qtail, st.tk, st.tsk, st.bits_k, st.widths_k, rows, sel)
-    out = torch.empty(heads, rows, d)
-    lse = torch.empty(heads, rows)
-    out_np = out.numpy()
-    softmax_exact_values(part.el, e, sel, k, st.ev, out_np, lse.view(-1).numpy())
+        qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - v.lead))
+        np.multiply(part.qfull[:, v.lead:], np.float32(scaling), out=qtail)
+        latent_key_logits(logits, part.off, idx, k, qtail, v.tk, v.tsk, v.bits_k, v.widths_k, rows, sel)
+    out_np = np.empty((heads, rows, d), np.float32)
+    lse_np = np.empty((heads, rows), np.float32)
+    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1))
     if k:
-        groups_v, rv = seg._cv.shape[0], blocks_v.shape[1]
-        z = scratch.np("z", (groups_v, nrows // groups_v, rv))
-        weighted_value_rows(sel, idx, k, st.cv, st.sv, st.tv, st.tsv, st.bits_v, st.widths_v, z)
-        add_value_basis(z.reshape(nrows, rv), blocks_v, out_np)
-    return out, lse
+        z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
+        weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z)
+        add_value_basis(z.reshape(nrows, v.rv), v.blocks_v, out_np)
+    return torch.from_numpy(out_np), torch.from_numpy(lse_np)
 
 
 def attend_layer(layer, query: torch.Tensor, scaling: float,
                  with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`LowRankLayer.attend_folded` through the fused kernels, or None where they do not apply (or
     failed, after which the eager path runs for the rest of the process)."""
-    if not usable(layer, query):
+    if (views := _usable_views(layer, query)) is None:
         return None
     try:
-        out, lse = attend([layer], query, scaling)[0]
+        out, lse = attend([layer], query, scaling, [views])[0]
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here: eager from now on
         jit.mark_failed(exc)
         return None
@@ -356,10 +335,11 @@ def attend_layer(layer, query: torch.Tensor, scaling: float,
 def attend_segmented(segments: list, query: torch.Tensor,
                      scaling: float) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """`SegmentedLayer._attend_globally` through the fused kernels, or None where they do not apply."""
-    if not all(usable(s, query) for s in segments):
+    views = [_usable_views(s, query) for s in segments]
+    if any(v is None for v in views):
         return None
     try:
-        return attend(segments, query, scaling)
+        return attend(segments, query, scaling, views)
     except Exception as exc:  # noqa: BLE001
         jit.mark_failed(exc)
         return None

@@ -58,32 +58,60 @@ def _rank_best_first(scores, picked, count, work):
 
 
 @inline
-def _budget_count(logits, lse, candmass, picked, count, drop):
-    """The shortest prefix of picked[:count] (ranked best first) that leaves no query row more than `drop`
-    of its candidate mass candmass[r] outside, plus one: each row's running mass grows with the prefix,
-    so a row's scan ends at the first prefix that holds enough, and a row the longest prefix so far
-    already satisfies is checked with one sum."""
-    need = 0
+def _budget_count(logits, lse, candmass, picked, front, count, drop):
+    """The shortest prefix of picked[:count] that leaves no query row more than `drop` of its candidate
+    mass candmass[r] outside, plus one, at least `front`: picked[:front] are the best `front` in any order,
+    the rest ranked best first. Each row's running mass grows with the prefix, so a row's scan ends at
+    the first prefix that holds enough, and a row the longest prefix so far already satisfies is checked
+    with one sum."""
+    need = front
     for r in range(logits.shape[0]):
         if need > count:
             break
         row, top, mass = logits[r], lse[r], candmass[r]
         kept = np.float32(0.0)
-        start = 0
-        if need > 0:
-            for j in range(need):
-                kept += fast_exp(row[picked[j]] - top)
-            if not mass - kept > drop:
-                continue
-            start = need
+        for j in range(need):
+            kept += fast_exp(row[picked[j]] - top)
+        if not mass - kept > drop:
+            continue
         left = count
-        for j in range(start, count):
+        for j in range(need, count):
             kept += fast_exp(row[picked[j]] - top)
             if not mass - kept > drop:
                 left = j
                 break
         need = max(need, left + 1)
     return need
+
+
+@inline
+def _best_to_front(scores, picked, count, front, work):
+    """picked[:count] (ascending) reordered so that its best `front` (by score, ties by lower index) come
+    first in ascending order and the rest after them, also ascending. work: >= 2 * count float32 scratch."""
+    vals = work[:count]
+    for j in range(count):
+        vals[j] = scores[picked[j]]
+    threshold = _kth_largest(vals, count, front - 1)
+    ties = front
+    for j in range(count):
+        if scores[picked[j]] > threshold:
+            ties -= 1
+    rest = work[: 2 * count].view(np.int64)
+    f = 0
+    b = 0
+    for j in range(count):
+        t = picked[j]
+        s = scores[t]
+        if s > threshold or (s == threshold and ties > 0):
+            if s == threshold:
+                ties -= 1
+            picked[f] = t
+            f += 1
+        else:
+            rest[b] = t
+            b += 1
+    for j in range(b):
+        picked[front + j] = rest[j]
 
 
 @inline
@@ -143,9 +171,12 @@ def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, 
                     ties -= 1
                 picked[count] = t
                 count += 1
-        if use_budget and not _outgrows(logits, lse, candmass, picked, count, drop):
-            _rank_best_first(scores, picked, count, work)
-            count = min(max(_budget_count(logits, lse, candmass, picked, count, drop), min(k, count)), count)
+        front = min(k, count)  # the budget keeps at least these: only the rest needs ranking
+        if use_budget and front < count and not _outgrows(logits, lse, candmass, picked, count, drop):
+            if front:
+                _best_to_front(scores, picked, count, front, work)
+            _rank_best_first(scores, picked[front:], count - front, work)
+            count = min(_budget_count(logits, lse, candmass, picked, front, count, drop), count)
             _index_order(picked, count, cand, work)
     for t in range(cand, total_n):
         picked[count] = t

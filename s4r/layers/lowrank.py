@@ -87,7 +87,7 @@ class LowRankLayer(StoredViews, LatentSelection, KeyRebuild, CacheLayer):
         self._rel = None if relevance is None else relevance.contiguous()  # [H, N]
         self._decay = decay_factor(cfg.query_window)
         self._prompt_coefs = n  # where the prompt's last queries (query_coef) sat
-        self.selected: torch.Tensor | None = None  # [H, k] stored tokens the last step attended (inspection)
+        self.selected = None  # the stored tokens the last step attended (`LatentSelection.selected`)
         # where the step's queries end, counted like this layer's tokens: a segment of a `SegmentedLayer`
         # that is not the last one is told (its own length is not where the queries are); None: logical
         self.query_end: int | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from s4r.core.latent import chunked_latent_logits, gathered_logits, latent_logits
@@ -127,6 +128,19 @@ class LatentSelection:
             # outliers are attended exactly already; don't spend reconstruction slots on them
             scores.index_fill_(1, self._out_long(), float("-inf"))
         return scores
+
+    @property
+    def selected(self) -> torch.Tensor | None:
+        """[H, k] stored tokens the last step attended (inspection); the fused step leaves them as numpy
+        indices [k], made a tensor only when asked."""
+        chosen = self._selected
+        if isinstance(chosen, np.ndarray):
+            chosen = self._selected = torch.from_numpy(chosen).unsqueeze(0).expand(self.heads, -1)
+        return chosen
+
+    @selected.setter
+    def selected(self, chosen: torch.Tensor | np.ndarray | None) -> None:
+        self._selected = chosen
 
     def selection_size(self, local: bool = True) -> tuple[int, int]:
         """(top-k count, forced local-window count) of a step; without `local`, no local window (a

@@ -1,0 +1,70 @@
+"""Buffers the fused decode step reuses: named, per thread and per segment position, shared by the layers
+of a step (the buffers the previous layer just used are still in cache), regrown when a shape outgrows
+them."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+from s4r.kernels.jit import as_numpy
+
+
+class Scratch:
+    """Named buffers (of one segment position), reused from layer to layer and regrown when a shape
+    outgrows them; each name keeps the views of its last few shapes, so the shapes a step alternates
+    between cost nothing."""
+
+    SHAPES = 8  # views kept per name (a name asked at a new shape every step keeps only its latest)
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._views: dict[str, dict[tuple, tuple[torch.Tensor, np.ndarray]]] = {}
+
+    def view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+        """The buffer `name` as a tensor of `shape` and its numpy view (bf16 as its bits; contents left
+        from earlier steps)."""
+        views = self._views.setdefault(name, {})
+        hit = views.get((shape, dtype))
+        if hit is not None:
+            return hit
+        size = math.prod(shape)
+        buf = self._bufs.get(name)
+        # normal tensors, also when asked under inference_mode: torch writes into some of them (`out=`),
+        # which it refuses outside inference_mode for a tensor or a view made inside it
+        with torch.inference_mode(False):
+            if buf is None or buf.numel() < size or buf.dtype != dtype:
+                buf = torch.zeros(max(size, 1) + size // 8, dtype=dtype)
+                self._bufs[name] = buf
+                views.clear()
+            if len(views) >= self.SHAPES:
+                views.clear()
+            view = buf[:size].view(shape)
+        hit = views[(shape, dtype)] = (view, as_numpy(view))
+        return hit
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`view`'s tensor."""
+        return self.view(name, shape, dtype)[0]
+
+    def np(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> np.ndarray:
+        """`view`'s numpy array."""
+        return self.view(name, shape, dtype)[1]
+
+
+_pool = threading.local()
+
+
+def thread_scratch(position: int) -> Scratch:
+    """The scratch of the `position`th segment of a step, one per thread shared by every layer: a step's
+    layers run one after another, and buffers the previous layer just used are still in cache where a
+    buffer of each layer's own (30 of them on the default model) is not."""
+    scratches = getattr(_pool, "scratches", None)
+    if scratches is None:
+        scratches = _pool.scratches = []
+    while len(scratches) <= position:
+        scratches.append(Scratch())
+    return scratches[position]
