@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                 nll = [-lp[ids[pos + 1]].item() for lp in logp]
                 gaps.append(nll[0] - nll[1])
             mean = sum(gaps) / len(gaps)
+            half = 1.96 * (sum((g - mean) ** 2 for g in gaps) / max(len(gaps) - 1, 1) / len(gaps)) ** 0.5
             print(f"{method}@{args.ratio:g}: {len(gaps)} teacher-forced tokens, NLL fused - eager: mean "
-                  f"{mean:+.5f}, largest |gap| {max(abs(g) for g in gaps):.5f}", flush=True)
+                  f"{mean:+.5f} [{mean - half:+.5f}, {mean + half:+.5f}] (95%), largest |gap| "
+                  f"{max(abs(g) for g in gaps):.5f}", flush=True)
             for c in (fused, eager):
                 c.truncate(args.tokens)
             texts = []

@@ -68,8 +68,8 @@ def _budget_count(logits, lse, candmass, picked, front, count, drop):
     for r in range(logits.shape[0]):
         if need > count:
             break
-        row, top, mass = logits[r], lse[r], candmass[r]
-        kept = np.float32(0.0)
+        row, top, mass = logits[r], lse[r], np.float64(candmass[r])
+        kept = 0.0  # float64: the sums' order (any within the front) does not move the boundary
         for j in range(need):
             kept += fast_exp(row[picked[j]] - top)
         if not mass - kept > drop:
@@ -120,10 +120,10 @@ def _outgrows(logits, lse, candmass, picked, count, drop):
     then the budget keeps every one of them (the cap binds) and ranking them would change nothing."""
     for r in range(logits.shape[0]):
         row, top = logits[r], lse[r]
-        kept = np.float32(0.0)
+        kept = 0.0
         for j in range(count):
             kept += fast_exp(row[picked[j]] - top)
-        if candmass[r] - kept > drop:
+        if np.float64(candmass[r]) - kept > drop:
             return True
     return False
 
