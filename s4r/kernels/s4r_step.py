@@ -4,7 +4,7 @@ Reference: `LowRankLayer.attend_folded` (one layer) and `SegmentedLayer._attend_
 chosen together), which stay the eager path; `usable` says where this one applies (one query token, a
 CPU, `query` scoring with one token set for every head, int8 coefficients, bf16 or fp32 tensors, a
 rotary embedding with static frequencies for pre-RoPE keys). Buffers are kept per thread, shared by the
-layers, and reused, grown only when the context outgrows them.
+layers (`s4r.kernels.scratch`); what the kernels read of a layer is kept on it (`_Views`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class _Views:
         self.groups_v, self.rv = layer._cv.shape[0], self.blocks_v.shape[1]
         self.lead, self.pool, self.drop = layer.plan_k.lead, cfg.pool_kernel, cfg.recon_drop
         self.local_window, self.chunk = cfg.local_window, cfg.rope_chunk
-        self.expected = cfg.rope_scoring == "expected"
+        self.expected, self.dtype = cfg.rope_scoring == "expected", layer.dtype
         self.pre_rope = cfg.key_space == "pre_rope"
         self.rotary = layer.rope.rotary if self.pre_rope else None
         self.offset = getattr(layer.rope, "offset", 0)
@@ -120,6 +120,11 @@ class _Views:
         self.angles_upto = -1
         self.bounds_key: tuple | None = None
         self.bounds: tuple[int, int, int, int | None] = (0, 0, 0, None)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        # a copy's numpy arrays would be frozen copies, not views of the copied layer's tensors: a copied
+        # layer builds its own views at its first step
+        return None
 
     def angle_parts(self, upto: int) -> tuple[np.ndarray, np.ndarray]:
         """`angle_parts` of the layer's rotary embedding as numpy, covering the positions up to `upto`."""
@@ -174,7 +179,7 @@ def _rotations(layer, v: _Views, n: int, d: int):
 
     # every layer of a step asks the same: the numpy tables are kept once on the shared rope (`_Views`
     # holds pre-RoPE layers with static frequencies only)
-    key = (end, n, d, chunk, expected, layer.sinks, v.key[-1])  # the key's last object: the layer's dtype
+    key = (end, n, d, chunk, expected, layer.sinks, v.dtype)
     return last_answer(layer.rope, "fused_rotation_memo", key, compute)
 
 

@@ -58,20 +58,20 @@ def _rank_best_first(scores, picked, count, work):
 
 
 @inline
-def _budget_count(logits, lse, candmass, picked, front, count, drop):
+def _budget_count(logits, lse, candmass, picked, front, count, drop, kept_all):
     """The shortest prefix of picked[:count] that leaves no query row more than `drop` of its candidate
     mass candmass[r] outside, plus one, at least `front`: picked[:front] are the best `front` in any order,
-    the rest ranked best first. Each row's running mass grows with the prefix, so a row's scan ends at
-    the first prefix that holds enough, and a row the longest prefix so far already satisfies is checked
-    with one sum."""
+    the rest ranked best first; kept_all[r]: row r's mass on all of picked[:count]. A row's mass on the
+    longest prefix so far is kept_all less the tokens after it; a row that needs more scans on from there
+    to the first prefix that holds enough."""
     need = front
     for r in range(logits.shape[0]):
         if need > count:
             break
         row, top, mass = logits[r], lse[r], np.float64(candmass[r])
-        kept = 0.0  # float64: the sums' order (any within the front) does not move the boundary
-        for j in range(need):
-            kept += fast_exp(row[picked[j]] - top)
+        kept = kept_all[r]  # float64: sums in any order land on the same boundary
+        for j in range(need, count):
+            kept -= fast_exp(row[picked[j]] - top)
         if not mass - kept > drop:
             continue
         left = count
@@ -115,17 +115,21 @@ def _best_to_front(scores, picked, count, front, work):
 
 
 @inline
-def _outgrows(logits, lse, candmass, picked, count, drop):
+def _outgrows(logits, lse, candmass, picked, count, drop, kept_all):
     """Whether some query row leaves more than `drop` of its candidate mass outside all of picked[:count]:
-    then the budget keeps every one of them (the cap binds) and ranking them would change nothing."""
+    then the budget keeps every one of them (the cap binds) and ranking them would change nothing.
+    Writes each row's mass on picked[:count] to kept_all (float64)."""
+    grows = False
     for r in range(logits.shape[0]):
         row, top = logits[r], lse[r]
         kept = 0.0
         for j in range(count):
             kept += fast_exp(row[picked[j]] - top)
+        kept_all[r] = kept
         if np.float64(candmass[r]) - kept > drop:
-            return True
-    return False
+            grows = True
+            break
+    return grows
 
 
 @inline
@@ -172,11 +176,13 @@ def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, 
                 picked[count] = t
                 count += 1
         front = min(k, count)  # the budget keeps at least these: only the rest needs ranking
-        if use_budget and front < count and not _outgrows(logits, lse, candmass, picked, count, drop):
+        kept_all = np.empty(logits.shape[0], np.float64)  # each row's mass on picked[:count]
+        if use_budget and front < count and not _outgrows(logits, lse, candmass, picked, count, drop,
+                                                          kept_all):
             if front:
                 _best_to_front(scores, picked, count, front, work)
             _rank_best_first(scores, picked[front:], count - front, work)
-            count = min(_budget_count(logits, lse, candmass, picked, front, count, drop), count)
+            count = min(_budget_count(logits, lse, candmass, picked, front, count, drop, kept_all), count)
             _index_order(picked, count, cand, work)
     for t in range(cand, total_n):
         picked[count] = t
