@@ -32,3 +32,18 @@ def test_a_copy_of_a_stepped_layer_steps_as_the_layer(name):
     twin = copy.deepcopy(layer)
     for seed in (5, 6, 7):
         torch.testing.assert_close(_step(twin, seed), _step(layer, seed), rtol=0, atol=0)
+
+
+def test_the_kept_angle_tables_grow_with_the_positions():
+    """The angle tables a layer's views keep cover every position asked, regrown past their end."""
+    from s4r.core.rope import ANGLE_STEP
+    from s4r.kernels.s4r_step import _views
+
+    keys, values, queries = kv_data(2, 4, 300, torch.float32)
+    layer = compress_layer(keys, values, queries, CONFIGS["pre-rope-int8-rebuild"], 24, 24, rope_for(4, 2))
+    views = _views(layer)
+    coarse, fine = views.angle_parts(300)
+    assert coarse.shape[0] * ANGLE_STEP > 300 and fine.shape[0] == ANGLE_STEP
+    far = 50 * coarse.shape[0] * ANGLE_STEP
+    coarse, _ = views.angle_parts(far)
+    assert coarse.shape[0] * ANGLE_STEP > far

@@ -111,15 +111,12 @@ class _Views:
         self.blocks_v = head_blocks(layer.basis_v, layer.heads).float().transpose(1, 2).contiguous().numpy()
         self.groups_v, self.rv = layer._cv.shape[0], self.blocks_v.shape[1]
         self.lead, self.pool, self.drop = layer.plan_k.lead, cfg.pool_kernel, cfg.recon_drop
-        self.local_window, self.chunk = cfg.local_window, cfg.rope_chunk
-        self.expected, self.dtype = cfg.rope_scoring == "expected", layer.dtype
+        self.chunk, self.expected, self.dtype = cfg.rope_chunk, cfg.rope_scoring == "expected", layer.dtype
         self.pre_rope = cfg.key_space == "pre_rope"
         self.rotary = layer.rope.rotary if self.pre_rope else None
         self.offset = getattr(layer.rope, "offset", 0)
         self.angles: tuple[np.ndarray, np.ndarray] | None = None
         self.angles_upto = -1
-        self.bounds_key: tuple | None = None
-        self.bounds: tuple[int, int, int, int | None] = (0, 0, 0, None)
 
     def __deepcopy__(self, memo: dict) -> None:
         # a copy's numpy arrays would be frozen copies, not views of the copied layer's tensors: a copied
@@ -132,16 +129,6 @@ class _Views:
             coarse, fine = angle_parts(self.rotary, upto)
             self.angles, self.angles_upto = (coarse.numpy(), fine.numpy()), coarse.shape[0] * ANGLE_STEP - 1
         return self.angles
-
-    def selection(self, layer, local: bool) -> tuple[int, int, int, int | None]:
-        """(fewest, most, forced, room): `selection_bounds` and `_token_room` of its forced count, kept
-        while the stored and outlier counts and the forced local window are the same."""
-        forced = max(0, self.local_window - layer._n_buf) if local else 0  # as `selection_size` counts it
-        key = (layer._n, layer._n_out, forced, local)
-        if key != self.bounds_key:
-            fewest, most, forced = layer.selection_bounds(local=local)
-            self.bounds_key, self.bounds = key, (fewest, most, forced, layer._token_room(forced))
-        return self.bounds
 
 
 def _views(layer) -> _Views:
@@ -214,9 +201,9 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     rowsum = joint.np("rowsum", (len(segments), nrows))
     candsum = joint.np("candsum", (len(segments), nrows))
     lse, candmass = joint.np("lse", (nrows,)), joint.np("candmass", (nrows,))
-    k, k_max, forced, room = 0, 0, 0, None
-    for seg, v in zip(segments, views, strict=True):
-        fewest, most, forced, room = v.selection(seg, seg is last)
+    k, k_max, forced = 0, 0, 0
+    for seg in segments:
+        fewest, most, forced = seg.selection_bounds(local=seg is last)
         k, k_max = k + fewest, k_max + most
     cand_total = total_n - min(forced, total_n)
     parts, off = [], 0
@@ -241,7 +228,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         seg, v = part.layer, part.views
         pooled_relevance(logits, part.off, seg._n, lse, v.pool, v.out_idx, seg._n_out,
                          part.scratch.np("pool", (seg._n + v.pool,)), scores)
-    if room is not None:  # the last segment's cap holds over every segment
+    if (room := last._token_room(forced)) is not None:  # the last segment's cap holds over every segment
         k, k_max = min(k, room), min(k_max, room)
     picked = joint.np("picked", (total_n,), torch.int64)
     drop = views[-1].drop

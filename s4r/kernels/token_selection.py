@@ -69,7 +69,8 @@ def _budget_count(logits, lse, candmass, picked, front, count, drop, kept_all):
         if need > count:
             break
         row, top, mass = logits[r], lse[r], np.float64(candmass[r])
-        kept = kept_all[r]  # float64: sums in any order land on the same boundary
+        # float64: the count agrees with an exact sum where float32 sums in another order did not
+        kept = kept_all[r]
         for j in range(need, count):
             kept -= fast_exp(row[picked[j]] - top)
         if not mass - kept > drop:
@@ -119,7 +120,6 @@ def _outgrows(logits, lse, candmass, picked, count, drop, kept_all):
     """Whether some query row leaves more than `drop` of its candidate mass outside all of picked[:count]:
     then the budget keeps every one of them (the cap binds) and ranking them would change nothing.
     Writes each row's mass on picked[:count] to kept_all (float64)."""
-    grows = False
     for r in range(logits.shape[0]):
         row, top = logits[r], lse[r]
         kept = 0.0
@@ -127,9 +127,8 @@ def _outgrows(logits, lse, candmass, picked, count, drop, kept_all):
             kept += fast_exp(row[picked[j]] - top)
         kept_all[r] = kept
         if np.float64(candmass[r]) - kept > drop:
-            grows = True
-            break
-    return grows
+            return True
+    return False
 
 
 @inline
