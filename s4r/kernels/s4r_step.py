@@ -261,8 +261,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
     heads, d = seg.heads, seg.head_dim
     nrows = heads * rows
     k = idx.shape[0]
-    idx = np.ascontiguousarray(idx)
-    seg.selected = idx.copy()
+    # a copy (contiguous): the scratch `idx` views serves the next layer, this one keeps its choice
+    idx = seg.selected = idx.copy()
     seg.rebuilt_tokens += k
     seg.scored_tokens += seg._n
     sel = scratch.np("sel", (nrows, max(BUCKET, -(-k // BUCKET) * BUCKET)))
@@ -273,8 +273,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         pos0 = seg.sinks + v.offset
         coarse, fine = v.angle_parts(pos0 + seg._n)
         if v.int8:  # every selected row decoded at once, then one product and rotation per block
-            coefs, coefs_np = scratch.view("coefs", (groups, len(sel[0]), rk), torch.int8)
-            row_scale = scratch.np("row_scale", (groups, len(sel[0])))
+            coefs, coefs_np = scratch.view("coefs", (groups, sel.shape[1], rk), torch.int8)
+            row_scale = scratch.np("row_scale", (groups, sel.shape[1]))
             decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np, row_scale)
             per_group = [coefs[g] for g in range(groups)]
             for start, end, pad in _blocks(k, INT8_BLOCK):
