@@ -110,7 +110,6 @@ def test_fused_step_in_blocks_is_the_eager_step(name, monkeypatch):
     from s4r.kernels import s4r_step
 
     monkeypatch.setattr(s4r_step, "BLOCK", 64)
-    monkeypatch.setattr(s4r_step, "INT8_BLOCK", 64)
     cfg = CONFIGS[name]
     keys, values, queries = kv_data(3, 9, 700, torch.float32)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))

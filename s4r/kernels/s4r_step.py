@@ -44,9 +44,6 @@ from s4r.kernels.token_selection import choose_tokens
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
 BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
-# an int8 product's keys are int32 sums, twice bf16's bytes: blocks of 512 keep them in L2 for the rotation
-# (a 5x step at 7,600 tokens 3% faster than in blocks of 2,048; bf16 ones 5% slower in blocks of 512)
-INT8_BLOCK = 512
 _NO_OUTLIERS = np.zeros(0, np.int32)
 
 
@@ -272,12 +269,12 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         groups, rk, width, rebuild = v.groups, v.rk, v.width, v.rebuild
         pos0 = seg.sinks + v.offset
         coarse, fine = v.angle_parts(pos0 + seg._n)
-        if v.int8:  # every selected row decoded at once, then one product and rotation per block
+        if v.int8:  # every selected row decoded at once, then one int8 product and rotation per block
             coefs, coefs_np = scratch.view("coefs", (groups, sel.shape[1], rk), torch.int8)
             row_scale = scratch.np("row_scale", (groups, sel.shape[1]))
             decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np, row_scale)
             per_group = [coefs[g] for g in range(groups)]
-            for start, end, pad in _blocks(k, INT8_BLOCK):
+            for start, end, pad in _blocks(k, BLOCK):
                 sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
                     torch._int_mm(per_group[g][start : start + pad], v.rebuild_g[g], out=sums[g])
