@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="s4r,s4r-fast")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    from s4r.bench.intervals import difference_interval
     from s4r.books import load_book
     from s4r.models.loading import load_model
 
@@ -55,10 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                         for c in (fused, eager)]
                 nll = [-lp[ids[pos + 1]].item() for lp in logp]
                 gaps.append(nll[0] - nll[1])
-            mean = sum(gaps) / len(gaps)
-            half = 1.96 * (sum((g - mean) ** 2 for g in gaps) / max(len(gaps) - 1, 1) / len(gaps)) ** 0.5
+            ci = difference_interval(gaps)
             print(f"{method}@{args.ratio:g}: {len(gaps)} teacher-forced tokens, NLL fused - eager: mean "
-                  f"{mean:+.5f} [{mean - half:+.5f}, {mean + half:+.5f}] (95%), largest |gap| "
+                  f"{ci.mean:+.5f} [{ci.low:+.5f}, {ci.high:+.5f}] (95%), largest |gap| "
                   f"{max(abs(g) for g in gaps):.5f}", flush=True)
             for c in (fused, eager):
                 c.truncate(args.tokens)

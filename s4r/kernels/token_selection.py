@@ -86,26 +86,43 @@ def _budget_count(logits, lse, candmass, picked, front, count, drop, kept_all):
 
 
 @inline
+def _cut(vals, count, want):
+    """(threshold, ties) of the best `want` of vals[:count] (reordered): the want-th largest value, and how
+    many values equal to it are among the best (those met first, the lower indices, as `_among_best` takes
+    them)."""
+    threshold = _kth_largest(vals, count, want - 1)
+    ties = want
+    for j in range(count):
+        if vals[j] > threshold:
+            ties -= 1
+    return threshold, ties
+
+
+@inline
+def _among_best(s, threshold, ties):
+    """(whether a score s met in index order is among the best that `_cut` bounds, the ties left)."""
+    if s > threshold:
+        return True, ties
+    if s == threshold and ties > 0:
+        return True, ties - 1
+    return False, ties
+
+
+@inline
 def _best_to_front(scores, picked, count, front, work):
     """picked[:count] (ascending) reordered so that its best `front` (by score, ties by lower index) come
     first in ascending order and the rest after them, also ascending. work: >= 2 * count float32 scratch."""
     vals = work[:count]
     for j in range(count):
         vals[j] = scores[picked[j]]
-    threshold = _kth_largest(vals, count, front - 1)
-    ties = front
-    for j in range(count):
-        if scores[picked[j]] > threshold:
-            ties -= 1
+    threshold, ties = _cut(vals, count, front)
     rest = work[: 2 * count].view(np.int64)
     f = 0
     b = 0
     for j in range(count):
         t = picked[j]
-        s = scores[t]
-        if s > threshold or (s == threshold and ties > 0):
-            if s == threshold:
-                ties -= 1
+        best, ties = _among_best(scores[t], threshold, ties)
+        if best:
             picked[f] = t
             f += 1
         else:
@@ -162,27 +179,21 @@ def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, 
     if want > 0:
         for t in range(cand):
             work[t] = scores[t]
-        threshold = _kth_largest(work, cand, want - 1)
-        ties = want
+        threshold, ties = _cut(work, cand, want)
         for t in range(cand):
-            if scores[t] > threshold:
-                ties -= 1
-        for t in range(cand):
-            s = scores[t]
-            if s > threshold or (s == threshold and ties > 0):
-                if s == threshold:
-                    ties -= 1
+            best, ties = _among_best(scores[t], threshold, ties)
+            if best:
                 picked[count] = t
                 count += 1
         front = min(k, count)  # the budget keeps at least these: only the rest needs ranking
-        kept_all = np.empty(logits.shape[0], np.float64)  # each row's mass on picked[:count]
-        if use_budget and front < count and not _outgrows(logits, lse, candmass, picked, count, drop,
-                                                          kept_all):
-            if front:
-                _best_to_front(scores, picked, count, front, work)
-            _rank_best_first(scores, picked[front:], count - front, work)
-            count = min(_budget_count(logits, lse, candmass, picked, front, count, drop, kept_all), count)
-            _index_order(picked, count, cand, work)
+        if use_budget and front < count:
+            kept_all = np.empty(logits.shape[0], np.float64)  # each row's mass on picked[:count]
+            if not _outgrows(logits, lse, candmass, picked, count, drop, kept_all):
+                if front:
+                    _best_to_front(scores, picked, count, front, work)
+                _rank_best_first(scores, picked[front:], count - front, work)
+                count = min(_budget_count(logits, lse, candmass, picked, front, count, drop, kept_all), count)
+                _index_order(picked, count, cand, work)
     for t in range(cand, total_n):
         picked[count] = t
         count += 1
