@@ -220,13 +220,15 @@ def test_the_eager_setting_and_a_missing_numba_run_the_eager_path(monkeypatch, c
 
 @pytest.mark.parametrize("n", [1, 511, 512, 513, 1300])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_latent_logits_kernel_is_the_integer_product(n, groups):
-    """Every token's int8 logit over tile edges, chunk bounds, an offset and per-head groups."""
+@pytest.mark.parametrize("rows", [2, 3])
+def test_latent_logits_kernel_is_the_integer_product(n, groups, rows):
+    """Every token's int8 logit over tile edges, chunk bounds, an offset, per-head groups and row counts
+    that the kernel's blocks of three rows do not divide."""
     from s4r.kernels.jit import as_numpy
     from s4r.kernels.latent_scoring import latent_logits
 
     g = torch.Generator().manual_seed(n)
-    rows, lead, chunks, off = 3, 22, 2, 5
+    lead, chunks, off = 22, 2, 5
     q8 = torch.randint(-127, 128, (chunks, 3 * rows, lead), generator=g, dtype=torch.int8)
     qscale = torch.rand(chunks, 3 * rows, generator=g)
     ck = torch.randint(-127, 128, (groups, lead, n + 40), generator=g, dtype=torch.int8)  # spare capacity

@@ -4,9 +4,9 @@ Reference: `LatentSelection.latent_step` / `step_scores` (`s4r.layers.lowrank_se
 `s4r.core.latent.latent_logits`, `chunked_latent_logits` and `s4r.core.selection.pool_scores`. The same
 arithmetic: the query rows (un-rotated and turned by each chunk's mean rotation for pre-RoPE keys)
 projected on the key basis, rounded to int8 per row, dotted as integers with the int8 lead band (token
-axis innermost, so the loop vectorizes), rescaled by the query's and each token's scale. Relevance is
-kept in the log domain (max over query rows of logit - logsumexp, max-pooled), which orders tokens as
-the reference's probabilities do.
+axis innermost, so the loop vectorizes; the integer sums are taken in fp32, where they are exact),
+rescaled by the query's and each token's scale. Relevance is kept in the log domain (max over query
+rows of logit - logsumexp, max-pooled), which orders tokens as the reference's probabilities do.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from s4r.kernels.jit import as_f32, fast_exp, kernel
+from s4r.kernels.jit import as_f32, fast_exp, inline, kernel
 
-TILE = 512  # tokens per tile: the int32 accumulator and the band's tile stay in L1
+TILE = 512  # tokens per tile: the three rows' accumulators and the band's tile stay in L1
 
 
 @kernel
@@ -95,34 +95,83 @@ def exact_logits(q, ek, e, scaling, out):
                 out[h * rows + m, t] = acc * np.float32(scaling)
 
 
+@inline
+def _four_columns(qf, r0, r1, r2, j, band, last, w, a0, a1, a2):
+    """a0..a2[t] += query rows r0..r2's columns j..j+3 of qf dotted with the band's rows j..j+3 at token t
+    (rows past `last` read row `last`, which their zero query columns cancel): each band row is widened
+    once for the three rows, and every sum of integer products is exact in fp32 (it stays under 2^24)."""
+    b0, b1, b2, b3 = band[j], band[min(j + 1, last)], band[min(j + 2, last)], band[min(j + 3, last)]
+    x0, x1, x2, x3 = qf[r0, j], qf[r0, j + 1], qf[r0, j + 2], qf[r0, j + 3]
+    y0, y1, y2, y3 = qf[r1, j], qf[r1, j + 1], qf[r1, j + 2], qf[r1, j + 3]
+    z0, z1, z2, z3 = qf[r2, j], qf[r2, j + 1], qf[r2, j + 2], qf[r2, j + 3]
+    for t in range(w):
+        c0, c1 = np.float32(b0[t]), np.float32(b1[t])
+        c2, c3 = np.float32(b2[t]), np.float32(b3[t])
+        a0[t] += x0 * c0 + x1 * c1 + x2 * c2 + x3 * c3
+        a1[t] += y0 * c0 + y1 * c1 + y2 * c2 + y3 * c3
+        a2[t] += z0 * c0 + z1 * c1 + z2 * c2 + z3 * c3
+
+
 @kernel
 def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
     """Logits logits[r, off + t] of every stored token t < n from the int8 lead band ck [G, lead, >=n]
     (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
     G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows).
-    Inner loops index slices from 0: numba wraps negative indices, and that check on `band[t0 + t]`
-    keeps LLVM from vectorizing the loop."""
+    Three query rows at a time over four band rows at a time (the last three repeated where a group's
+    rows run out), the token loop innermost: a band row is read once for three query rows."""
     chunks, nrows, lead = q8.shape[0], q8.shape[1], q8.shape[2]
     groups = ck.shape[0]
-    acc = np.empty(TILE, np.int32)
+    padded = -(-lead // 4) * 4
+    qf = np.zeros((nrows, padded), np.float32)  # the codes as floats, columns past lead zero
+    acc = np.empty((3, TILE), np.float32)
+    per = nrows if groups == 1 else rows
     for c in range(chunks):
+        for r in range(nrows):
+            for j in range(lead):
+                qf[r, j] = np.float32(q8[c, r, j])
         lo, hi = bounds[c], min(bounds[c + 1], n)
         for t0 in range(lo, hi, TILE):
             t1 = min(t0 + TILE, hi)
             w = t1 - t0
-            for r in range(nrows):
-                g = 0 if groups == 1 else r // rows
-                for t in range(w):
-                    acc[t] = 0
-                for j in range(lead):
-                    qv = np.int32(q8[c, r, j])
-                    band = ck[g, j, t0:t1]
-                    for t in range(w):
-                        acc[t] += qv * np.int32(band[t])
-                s = qscale[c, r]
-                dst, scales = logits[r, off + t0 : off + t1], sk[g, t0:t1]
-                for t in range(w):
-                    dst[t] = (np.float32(acc[t]) * s) * as_f32(scales[t])
+            for g in range(groups):
+                band = ck[g, :, t0:t1]
+                first = 0 if groups == 1 else g * rows
+                for rb in range(0, per, 3):
+                    r0, r1, r2 = first + rb, first + min(rb + 1, per - 1), first + min(rb + 2, per - 1)
+                    a0, a1, a2 = acc[0, :w], acc[1, :w], acc[2, :w]
+                    a0[:] = 0.0
+                    a1[:] = 0.0
+                    a2[:] = 0.0
+                    for j in range(0, padded, 4):
+                        _four_columns(qf, r0, r1, r2, j, band, lead - 1, w, a0, a1, a2)
+                    for i in range(3):
+                        r = (r0, r1, r2)[i]
+                        s, a = qscale[c, r], acc[i]
+                        dst, scales = logits[r, off + t0 : off + t1], sk[g, t0:t1]
+                        for t in range(w):
+                            dst[t] = (a[t] * s) * as_f32(scales[t])
+
+
+LANES = 64  # running maxima kept side by side: a single running maximum waits on each compare
+
+
+@inline
+def _largest(x, n, lanes):
+    """max(x[:n]) (-inf for none), as LANES running maxima over whole blocks, then the rest."""
+    for u in range(LANES):
+        lanes[u] = -np.inf
+    whole = n - n % LANES
+    for t0 in range(0, whole, LANES):
+        block = x[t0 : t0 + LANES]
+        for u in range(LANES):
+            v = block[u]
+            lanes[u] = v if v > lanes[u] else lanes[u]
+    m = np.float32(-np.inf)
+    for u in range(LANES):
+        m = max(m, lanes[u])
+    for t in range(whole, n):
+        m = max(m, x[t])
+    return m
 
 
 @kernel
@@ -132,6 +181,7 @@ def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsu
     buffer), and the same sum over the stored candidates t < cand that are not outliers.
     keep: >= n float32 scratch (1 for a candidate, 0 for an outlier)."""
     nrows = logits.shape[0]
+    lanes = np.empty(LANES, np.float32)
     for t in range(n):
         keep[t] = 1.0
     for i in range(n_out):
@@ -140,9 +190,7 @@ def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsu
         lr, er = logits[r, off : off + n], el[r]
         for i in range(n_out):
             lr[out_idx[i]] = er[sinks + i]
-        m = np.float32(-np.inf)
-        for t in range(n):
-            m = max(m, lr[t])
+        m = _largest(lr, n, lanes)
         for t in range(sinks):
             m = max(m, er[t])
         for t in range(sinks + n_out, e):
