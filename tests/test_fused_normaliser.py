@@ -12,6 +12,7 @@ pytest.importorskip("numba")
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
 def test_normaliser_is_the_row_max_and_sums(n):
+    """Row maximum exact, row and candidate sums within fp32 rounding, the peak at every position."""
     from s4r.kernels.latent_scoring import normaliser
 
     rng = np.random.default_rng(n)

@@ -117,8 +117,8 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
     """Logits logits[r, off + t] of every stored token t < n from the int8 lead band ck [G, lead, >=n]
     (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
     G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows).
-    Three query rows at a time over four band rows at a time (the last three repeated where a group's
-    rows run out), the token loop innermost: a band row is read once for three query rows."""
+    Three query rows at a time over four band rows at a time (a group's last row repeated where its rows
+    run out), the token loop innermost: a band row is read once for three query rows."""
     chunks, nrows, lead = q8.shape[0], q8.shape[1], q8.shape[2]
     groups = ck.shape[0]
     padded = -(-lead // 4) * 4
