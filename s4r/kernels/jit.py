@@ -1,5 +1,5 @@
 """numba plumbing the kernels share: availability (one line logged, once), the compile decorator, bit casts,
-bf16 widening/rounding and a vectorizable exp.
+bf16 widening/rounding, a vectorizable exp and a row maximum.
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
@@ -167,3 +167,26 @@ if numba is not None:
         p = p * f + np.float32(6.9314718e-1)
         p = p * f + np.float32(1.0)
         return p * u32_as_f32(np.uint32(i + 127) << np.uint32(23))
+
+
+LANES = 64  # running maxima kept side by side: a single running maximum waits on each compare
+
+
+@inline
+def largest(x, n, lanes):
+    """max(x[:n]) (-inf for none), as LANES running maxima over whole blocks, then the rest; `lanes`: a
+    float32 scratch of LANES (a kernel allocates it once)."""
+    for u in range(LANES):
+        lanes[u] = -np.inf
+    whole = n - n % LANES
+    for t0 in range(0, whole, LANES):
+        block = x[t0 : t0 + LANES]
+        for u in range(LANES):
+            v = block[u]
+            lanes[u] = v if v > lanes[u] else lanes[u]
+    m = np.float32(-np.inf)
+    for u in range(LANES):
+        m = max(m, lanes[u])
+    for t in range(whole, n):
+        m = max(m, x[t])
+    return m

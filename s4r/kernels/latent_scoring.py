@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from s4r.kernels.jit import as_f32, fast_exp, inline, kernel
+from s4r.kernels.jit import LANES, as_f32, fast_exp, inline, kernel, largest
 
 TILE = 512  # tokens per tile: the three rows' accumulators and the band's tile stay in L1
 
@@ -152,28 +152,6 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
                             dst[t] = (a[t] * s) * as_f32(scales[t])
 
 
-LANES = 64  # running maxima kept side by side: a single running maximum waits on each compare
-
-
-@inline
-def _largest(x, n, lanes):
-    """max(x[:n]) (-inf for none), as LANES running maxima over whole blocks, then the rest."""
-    for u in range(LANES):
-        lanes[u] = -np.inf
-    whole = n - n % LANES
-    for t0 in range(0, whole, LANES):
-        block = x[t0 : t0 + LANES]
-        for u in range(LANES):
-            v = block[u]
-            lanes[u] = v if v > lanes[u] else lanes[u]
-    m = np.float32(-np.inf)
-    for u in range(LANES):
-        m = max(m, lanes[u])
-    for t in range(whole, n):
-        m = max(m, x[t])
-    return m
-
-
 @kernel
 def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsum, candsum, keep):
     """Per query row: the outliers' latent logits replaced by their exact ones (el[:, sinks + i]), then
@@ -190,7 +168,7 @@ def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsu
         lr, er = logits[r, off : off + n], el[r]
         for i in range(n_out):
             lr[out_idx[i]] = er[sinks + i]
-        m = _largest(lr, n, lanes)
+        m = largest(lr, n, lanes)
         for t in range(sinks):
             m = max(m, er[t])
         for t in range(sinks + n_out, e):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from s4r.kernels import jit
-from s4r.kernels.jit import as_f32, as_numpy, fast_exp, inline, kernel, numba
+from s4r.kernels.jit import LANES, as_f32, as_numpy, fast_exp, inline, kernel, largest, numba
 
 if numba is not None:
     from numba import types
@@ -344,14 +344,13 @@ def softmax_exact_values(el, e, sel, k, ev, out, lse):
     selected probabilities replace sel in place, out [H, M, d] gets the exact values' share (values ev
     [H, >=e, d]) and lse[r] the logsumexp."""
     heads, rows, d = out.shape
+    lanes = np.empty(LANES, np.float32)
     for h in range(heads):
         for m in range(rows):
             r = h * rows + m
-            top = np.float32(-np.inf)
+            top = largest(sel[r], k, lanes)
             for t in range(e):
                 top = max(top, el[r, t])
-            for j in range(k):
-                top = max(top, sel[r, j])
             total = np.float32(0.0)
             for t in range(e):
                 total += fast_exp(el[r, t] - top)
