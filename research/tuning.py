@@ -248,6 +248,10 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "rebuild-fp32": {"rebuild_dtype": "float32"},
     # the eager decode step, the reference the fused CPU kernels are tested against
     "eager": {"kernels": "eager"},
+    # the question's prompt (one block of queries) through one selection instead of every stored token
+    # rebuilt (`dense_queries`)
+    "selected-prompts": {"dense_queries": 0},
+    "dense-prompts": {"dense_queries": 2},
     # one basis per KV head instead of one per layer: a rebuild of heads-times fewer multiply-adds
     "head": {"granularity": "head"},
     # the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept exact as

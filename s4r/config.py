@@ -122,10 +122,10 @@ class S4RConfig:
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
     # a step of at least this many queries (a question's prompt, a block of an appended document)
-    # attends every stored token, each rebuilt once for all its rows, instead of the tokens its last
-    # `query_window` queries select (`s4r.layers.lowrank_dense`); 0: always a selection. From two
-    # queries on the rebuild costs about as much as the selection or less, and leaves nothing out
-    # (BENCHMARKS.md, "Chat over two documents")
+    # attends every stored token, each rebuilt once for all its rows, instead of one selection for the
+    # block, scored by its last `query_window` queries (`s4r.layers.lowrank_dense`); 0: always a
+    # selection. 129 sends prompts through the selection: faster, answer NLL about +0.01 nats
+    # (docs/design.md, "Blocks of queries")
     dense_queries: int = 2
     # how stored tokens are scored for selection, from each query's (and query head's) own attention
     # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over

@@ -1,5 +1,5 @@
 """numba plumbing the kernels share: availability (one line logged, once), the compile decorator, bit casts,
-bf16 widening/rounding, a vectorizable exp and a row maximum.
+bf16 widening/rounding, a vectorizable exp, a row maximum and rotary angles composed from two tables.
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
@@ -190,3 +190,22 @@ def largest(x, n, lanes):
     for t in range(whole, n):
         m = max(m, x[t])
     return m
+
+
+@inline
+def fine_shift(fine):
+    """log2 of the fine table's rows (`rope.angle_parts`): position p's rows are p >> s and p & (2^s - 1)."""
+    shift = 0
+    while (1 << shift) < fine.shape[0]:
+        shift += 1
+    return shift
+
+
+@inline
+def compose_angles(p, coarse, fine, shift, half, ang):
+    """ang [2 * half] = position p's angles (cos of the pairs, then sin) from its coarse and fine rows."""
+    a, b = coarse[p >> shift], fine[p & (fine.shape[0] - 1)]
+    for i in range(half):
+        ca, sa, cb, sb = a[i], a[half + i], b[i], b[half + i]
+        ang[i] = ca * cb - sa * sb
+        ang[half + i] = sa * cb + ca * sb

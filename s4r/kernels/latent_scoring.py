@@ -22,11 +22,14 @@ TILE = 512  # tokens per tile: the three rows' accumulators and the band's tile 
 
 @kernel
 def query_rows(query, out):
-    """out [H, M, d] = the step's query [1, H * M, 1, d] in fp32 (bf16 bits widened)."""
+    """out [H, M, d] = the step's query [1, H * G, Q, d] in fp32 (bf16 bits widened), folded as the eager
+    step folds it: row m = j * Q + i is query head j of the KV head's G at position i (M = G * Q)."""
     heads, rows, d = out.shape
+    positions = query.shape[2]
+    group = rows // positions
     for h in range(heads):
         for m in range(rows):
-            src, dst = query[0, h * rows + m, 0], out[h, m]
+            src, dst = query[0, h * group + m // positions, m % positions], out[h, m]
             for i in range(d):
                 dst[i] = as_f32(src[i])
 
@@ -36,9 +39,11 @@ def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8
     """q [H, M, d] fp32 query rows -> per chunk c: int8 lead coefficients q8 [C, R, lead] and their
     scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients qfull [R, F] (F = rk where
     post-RoPE keys take their lower bands' logits from them, 0 where pre-RoPE keys are rebuilt instead).
-    `undo`: un-rotate from the query's own angles (cos_q, sin_q [d]) first; ccos/csin [C, d]: each chunk's
-    rotation (cos 1, sin 0 for none). blocks [H, d, rk]: each KV head's block of the key basis."""
+    `undo`: un-rotate from the query's own angles first (cos_q, sin_q [Q, d]: row m's position is m % Q, as
+    `query_rows` folds Q positions); ccos/csin [C, d]: each chunk's rotation (cos 1, sin 0 for none).
+    blocks [H, d, rk]: each KV head's block of the key basis."""
     heads, rows, d = q.shape
+    positions = cos_q.shape[0]
     half = d // 2
     chunks = ccos.shape[0]
     rk = blocks.shape[2]
@@ -54,7 +59,7 @@ def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8
             if undo:  # (x cos - rotate_half(x) sin) / (cos^2 + sin^2)
                 for i in range(d):
                     rot = -x[i + half] if i < half else x[i - half]
-                    c, s = cos_q[i], sin_q[i]
+                    c, s = cos_q[m % positions, i], sin_q[m % positions, i]
                     y[i] = (x[i] * c - rot * s) / (c * c + s * s)
                 for i in range(d):
                     x[i] = y[i]

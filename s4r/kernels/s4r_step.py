@@ -1,10 +1,11 @@
 """One S4R decode step of a layer (or of every segment of a layer) through the fused kernels.
 
 Reference: `LowRankLayer.attend_folded` (one layer) and `SegmentedLayer._attend_globally` (segments
-chosen together), which stay the eager path; `usable` says where this one applies (one query token, a
-CPU, `query` scoring with one token set for every head, int8 coefficients, bf16 or fp32 tensors, a
-rotary embedding with static frequencies for pre-RoPE keys). Buffers are kept per thread, shared by the
-layers (`s4r.kernels.scratch`); what the kernels read of a layer is kept on it (`_Views`).
+chosen together), which stay the eager path; `usable` says where this one applies (one query token or a
+block of at most `query_window`, a CPU, `query` scoring with one token set for every head, int8
+coefficients, bf16 or fp32 tensors, a rotary embedding with static frequencies for pre-RoPE keys).
+Buffers are kept per thread, shared by the layers (`s4r.kernels.scratch`); what the kernels read of a
+layer is kept on it (`_Views`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from s4r.kernels.latent_scoring import (
     pooled_relevance,
     project_queries,
     query_rows,
+)
+from s4r.kernels.query_blocks import (
+    PRODUCT_ROWS,
+    key_logits_product,
+    mask_later_tokens,
+    rotate_keys,
+    value_rows_product,
+    window_rows,
 )
 from s4r.kernels.scratch import Scratch, thread_scratch
 from s4r.kernels.sparse_attention import (
@@ -53,10 +62,15 @@ def usable(layer, query: torch.Tensor) -> bool:
 
 
 def _usable_views(layer, query: torch.Tensor) -> _Views | None:
-    """The layer's `_Views` where the fused step computes its attention of `query`, else None."""
-    if query.shape[2] != 1 or query.device.type != "cpu" or not layer._n:
+    """The layer's `_Views` where the fused step computes its attention of `query`, else None. A block of
+    queries shares one selection, scored by its last `query_window` queries as the eager step's; past
+    that window only where the keys are rebuilt (post-RoPE keys take every row's logits from scoring)."""
+    positions = query.shape[2]
+    if not positions or query.device.type != "cpu" or not layer._n:
         return None
     views = _views(layer)
+    if positions > layer.cfg.query_window and not (views.fusable and views.pre_rope):
+        return None
     return views if views.fusable and jit.available() else None
 
 
@@ -143,17 +157,18 @@ def _views(layer) -> _Views:
     return memo
 
 
-def _rotations(layer, v: _Views, n: int, d: int):
-    """(undo, cos_q, sin_q, chunk cos [C, d], chunk sin [C, d], bounds [C + 1]) of the step's query."""
+def _rotations(layer, v: _Views, n: int, d: int, positions: int):
+    """(undo, cos_q, sin_q [Q, d], chunk cos [C, d], chunk sin [C, d], bounds [C + 1]) of the step's
+    `positions` (Q) queries; the chunks' rotations are taken from the last one, as the eager step's."""
     if not v.pre_rope:
-        return (False, np.ones(d, np.float32), np.zeros(d, np.float32), np.ones((1, d), np.float32),
+        return (False, np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.ones((1, d), np.float32),
                 np.zeros((1, d), np.float32), np.array([0, n], dtype=np.int64))
     end = layer.logical if layer.query_end is None else layer.query_end
     expected, chunk = v.expected, v.chunk or n
 
     def compute() -> tuple:
-        cos_q, sin_q = layer._query_angles(end, 1, torch.device("cpu"))
-        cos_q, sin_q = cos_q[0].float().numpy(), sin_q[0].float().numpy()
+        cos_q, sin_q = layer._query_angles(end, positions, torch.device("cpu"))
+        cos_q, sin_q = cos_q.float().contiguous().numpy(), sin_q.float().contiguous().numpy()
         rotations = chunk_rotations(layer.rope, n, chunk, end - 1 - layer.sinks) if expected else None
         if rotations is None:
             return (True, cos_q, sin_q, np.ones((1, d), np.float32), np.zeros((1, d), np.float32),
@@ -163,7 +178,7 @@ def _rotations(layer, v: _Views, n: int, d: int):
 
     # every layer of a step asks the same: the numpy tables are kept once on the shared rope (`_Views`
     # holds pre-RoPE layers with static frequencies only)
-    key = (end, n, d, chunk, expected, layer.sinks, v.dtype)
+    key = (end, n, d, chunk, expected, layer.sinks, v.dtype, positions)
     return last_answer(layer.rope, "fused_rotation_memo", key, compute)
 
 
@@ -180,18 +195,24 @@ class _Part:
 
 def attend(segments: list, query: torch.Tensor, scaling: float,
            views: list[_Views] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each segment's (fp32 output [H, M, d], logsumexp [H, M]) of `query` [1, Hq, 1, d], the stored
-    tokens chosen once over every segment (for one segment: `LowRankLayer.attend_folded`); `views`: the
-    segments' `_views` where the caller has them."""
+    """Each segment's (fp32 output [H, M, d], logsumexp [H, M]) of `query` [1, Hq, Q, d] (M = Hq / H * Q
+    rows per KV head, folded as `query_rows` says), the stored tokens chosen once over every segment and
+    every query (for one segment: `LowRankLayer.attend_folded`); `views`: the segments' `_views` where
+    the caller has them."""
     last = segments[-1]
-    heads, d = last.heads, last.head_dim
-    rows = query.shape[1] // heads
-    nrows = heads * rows
+    heads, d, positions = last.heads, last.head_dim, query.shape[2]
+    group = query.shape[1] // heads
+    rows = group * positions
     views = views or [_views(s) for s in segments]
     total_n = sum(s._n for s in segments)
     joint = thread_scratch(0)
     q = joint.np("query", (heads, rows, d))
     query_rows(as_numpy(query), q)
+    # the rows that score: the last `query_window` queries' (every row but in a long block)
+    window = min(positions, last.cfg.query_window)
+    qs = window_rows(q, heads, group, positions, window, joint.np("scoring", (heads, group * window, d)))
+    srows = group * window
+    nrows = heads * srows
     logits = joint.np("logits", (nrows, total_n))
     scores = joint.np("scores", (total_n,))
     rowmax = joint.np("rowmax", (len(segments), nrows))
@@ -206,17 +227,21 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     parts, off = [], 0
     for i, seg in enumerate(segments):
         v, scratch, n, e = views[i], thread_scratch(i), seg._n, seg.exact_length
-        undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, v, n, d)
+        undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, v, n, d, positions)
         chunks = ccos.shape[0]
         q8 = scratch.np("q8", (chunks, nrows, v.lead), torch.int8)
         full = 0 if v.pre_rope else v.rk  # pre-RoPE keys are rebuilt, not dotted in latent
         qscale, qfull = scratch.np("qscale", (chunks, nrows)), scratch.np("qfull", (nrows, full))
-        project_queries(q, cos_q, sin_q, undo, ccos, csin, v.blocks_k, v.lead, scaling, q8, qscale, qfull)
-        el = scratch.np("el", (nrows, e))
+        project_queries(qs, cos_q[-window:], sin_q[-window:], undo, ccos, csin, v.blocks_k, v.lead, scaling,
+                        q8, qscale, qfull)
+        el = scratch.np("el", (heads * rows, e))
         exact_logits(q, v.ek, e, scaling, el)
-        latent_logits(q8, qscale, bounds, v.ck, v.sk, n, rows, logits, off)
+        if positions > 1:
+            mask_later_tokens(el, seg, heads, positions)
+        els = window_rows(el, heads, group, positions, window, scratch.np("el_scoring", (nrows, e)))
+        latent_logits(q8, qscale, bounds, v.ck, v.sk, n, srows, logits, off)
         cand = min(max(cand_total - off, 0), n)
-        normaliser(logits, off, n, el, seg.sinks, seg._n_out, e, v.out_idx, cand, rowmax[i], rowsum[i],
+        normaliser(logits, off, n, els, seg.sinks, seg._n_out, e, v.out_idx, cand, rowmax[i], rowsum[i],
                    candsum[i], scratch.np("keep", (n,)))
         parts.append(_Part(seg, v, scratch, off, el, qfull))
         off += n
@@ -278,8 +303,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
                 sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
                     torch._int_mm(per_group[g][start : start + pad], v.rebuild_g[g], out=sums[g])
-                rotated_key_logits(q, keys_np, idx[start:end], end - start, pos0, coarse, fine, scaling,
-                                   v.col_scale, row_scale[:, start:end], sel[:, start:end])
+                _key_logits(q, keys_np, idx[start:end], pos0, coarse, fine, scaling, v.col_scale,
+                            row_scale[:, start:end], sel[:, start:end], scratch)
         else:
             no_scale = scratch.np("row_scale", (groups, 0))
             for start, end, pad in _blocks(k, BLOCK):
@@ -291,8 +316,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
                     torch.matmul(coefs[0], v.rebuild_g[0], out=keys[0])
                 else:
                     torch.matmul(coefs, rebuild, out=keys)
-                rotated_key_logits(q, keys_np, block, end - start, pos0, coarse, fine, scaling, v.col_scale,
-                                   no_scale, sel[:, start:end])
+                _key_logits(q, keys_np, block, pos0, coarse, fine, scaling, v.col_scale, no_scale,
+                            sel[:, start:end], scratch)
     else:
         qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - v.lead))
         np.multiply(part.qfull[:, v.lead:], np.float32(scaling), out=qtail)
@@ -302,9 +327,28 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
     softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1))
     if k:
         z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
-        weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z)
+        if rows > PRODUCT_ROWS:  # a block of queries: the value rows decoded once, one product a group
+            decoded = scratch.np("value_rows", (v.groups_v, k, v.rv))
+            decode_rows(idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, False, decoded)
+            value_rows_product(sel, k, decoded, z)
+        else:
+            weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z)
         add_value_basis(z.reshape(nrows, v.rv), v.blocks_v, out_np)
     return torch.from_numpy(out_np), torch.from_numpy(lse_np)
+
+
+def _key_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int, coarse: np.ndarray,
+                fine: np.ndarray, scaling: float, col_scale: np.ndarray, row_scale: np.ndarray,
+                out: np.ndarray, scratch: Scratch) -> None:
+    """`rotated_key_logits` of the rebuilt keys of the tokens idx into out; for a block of queries' many
+    rows the keys rotated once (`rotate_keys`) and one product a head."""
+    k = idx.shape[0]
+    if q.shape[1] <= PRODUCT_ROWS:
+        rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out)
+        return
+    rotated = scratch.np("rotated", (keys.shape[0], k, keys.shape[2]))
+    rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, rotated)
+    key_logits_product(q, rotated, k, scaling, out)
 
 
 def attend_layer(layer, query: torch.Tensor, scaling: float,

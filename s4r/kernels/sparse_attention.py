@@ -18,7 +18,18 @@ import numpy as np
 import torch
 
 from s4r.kernels import jit
-from s4r.kernels.jit import LANES, as_f32, as_numpy, fast_exp, inline, kernel, largest, numba
+from s4r.kernels.jit import (
+    LANES,
+    as_f32,
+    as_numpy,
+    compose_angles,
+    fast_exp,
+    fine_shift,
+    inline,
+    kernel,
+    largest,
+    numba,
+)
 
 if numba is not None:
     from numba import types
@@ -238,21 +249,13 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
 def _rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half):
     heads, rows = q.shape[0], q.shape[1]
     d = 2 * half
-    mask = fine.shape[0] - 1
-    shift = 0
-    while (1 << shift) <= mask:
-        shift += 1
+    shift = fine_shift(fine)
     shared = keys.shape[0] == 1
     scaled = col_scale.shape[1] > 0
     ang = np.empty(d, np.float32)
     rot = np.empty(d, np.float32)
     for j in range(k):
-        p = idx[j] + pos0
-        a, b = coarse[p >> shift], fine[p & mask]
-        for i in range(half):
-            ca, sa, cb, sb = a[i], a[half + i], b[i], b[half + i]
-            ang[i] = ca * cb - sa * sb
-            ang[half + i] = sa * cb + ca * sb
+        compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
         for h in range(heads):
             g = 0 if shared else h
             base = h * d if shared else 0

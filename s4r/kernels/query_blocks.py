@@ -1,0 +1,85 @@
+"""What a block of queries (a question's prompt) adds to the fused step (`s4r.kernels.s4r_step`): the rows
+that score, each query's mask over the block's later tokens, and the selected tokens' logits and value
+rows as matrix products once a step has more rows than a decode step's few.
+
+Reference: the eager step's `LowRankLayer.exact_step` (the mask, `causal_mask`) and `_window_logits` (the
+scoring rows: the last `query_window` queries of the block), the same selection serving every row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from s4r.kernels.jit import as_f32, compose_angles, fine_shift, kernel
+
+PRODUCT_ROWS = 16  # query rows per KV head from which logits and value rows are matrix products
+
+
+def window_rows(x: np.ndarray, heads: int, group: int, positions: int, window: int,
+                out: np.ndarray) -> np.ndarray:
+    """The rows of x [H * G * Q, ...] (or [H, G * Q, ...]) of the block's last `window` positions, in the
+    same fold ([H * G * window, ...] into `out`); x itself where every position is in the window."""
+    if window == positions:
+        return x
+    tail = x.reshape(heads, group, positions, -1)[:, :, positions - window :]
+    np.copyto(out.reshape(heads, group, window, -1), tail)
+    return out
+
+
+def mask_later_tokens(el: np.ndarray, seg, heads: int, positions: int) -> None:
+    """-inf on the exact logits el [H * M, e] of a block's queries for the buffered tokens after each
+    query's own position (the block's own tokens come last), as the eager step's `causal_mask`."""
+    e = seg.exact_length
+    rows = el.reshape(heads, -1, positions, e)
+    for i in range(positions - 1):
+        rows[:, :, i, max(e - positions + i + 1, e - seg._n_buf) :] = -np.inf
+
+
+def key_logits_product(q: np.ndarray, rotated: np.ndarray, k: int, scaling: float, out: np.ndarray) -> None:
+    """out[h * M + m, :k] = scaling * q[h, m] . rotated key j of head h, for the rotated keys rotated
+    [B, >=k, W] (`rotate_keys`; B = 1: head h's columns h*d.., B = H: per head), as one product a head."""
+    heads, rows, d = q.shape
+    keys = torch.from_numpy(rotated)
+    dst = torch.from_numpy(out)
+    for h in range(heads):
+        block = keys[0, :k, h * d : (h + 1) * d] if keys.shape[0] == 1 else keys[h, :k]
+        torch.matmul(torch.from_numpy(q[h]), block.T, out=dst[h * rows : (h + 1) * rows, :k])
+        dst[h * rows : (h + 1) * rows, :k].mul_(scaling)
+
+
+def value_rows_product(probs: np.ndarray, k: int, decoded: np.ndarray, z: np.ndarray) -> None:
+    """z[b, m] = probs[b * M + m, :k] @ decoded[b, :k] for each basis group b of the decoded value rows
+    decoded [G, >=k, r_v] (`decode_rows`): `weighted_value_rows` as one product a group."""
+    groups, rows, _ = z.shape
+    p, rows_v, out = torch.from_numpy(probs), torch.from_numpy(decoded), torch.from_numpy(z)
+    for g in range(groups):
+        torch.matmul(p[g * rows : (g + 1) * rows, :k], rows_v[g, :k], out=out[g])
+
+
+@kernel
+def rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out):
+    """out[b, j] = the rebuilt pre-RoPE key keys[b, j] [W] of token idx[j] (its d-column heads; int32 sums
+    scaled by col_scale[b] and row_scale[b, j] as `rotated_key_logits` takes them, else empty scales)
+    rotated to position idx[j] + pos0, in fp32: the keys `key_logits_product` multiplies."""
+    groups, width = out.shape[0], out.shape[2]
+    half = coarse.shape[1] // 2
+    d = 2 * half
+    shift = fine_shift(fine)
+    scaled = col_scale.shape[1] > 0
+    ang = np.empty(d, np.float32)
+    for j in range(k):
+        compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
+        for b in range(groups):
+            src, dst = keys[b, j], out[b, j]
+            factor = row_scale[b, j] if scaled else np.float32(1.0)
+            for base in range(0, width, d):
+                for i in range(half):
+                    x1 = as_f32(src[base + i]) * factor
+                    x2 = as_f32(src[base + half + i]) * factor
+                    if scaled:
+                        x1 *= col_scale[b, base + i]
+                        x2 *= col_scale[b, base + half + i]
+                    c, s = ang[i], ang[half + i]
+                    dst[base + i] = x1 * c - x2 * s
+                    dst[base + half + i] = x2 * c + x1 * s

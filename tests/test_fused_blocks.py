@@ -1,0 +1,149 @@
+"""A block of queries (a question's prompt) through the fused step's selection against the eager step's:
+one selection for every query of the block, each query masked from the block's later tokens."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from s4r.config import S4RConfig
+from s4r.core.compress import compress_layer
+from s4r.core.rope import shifted
+from s4r.kernels import jit
+from s4r.layers.segments import SegmentedLayer
+from tests.test_fused_kernels import CONFIGS, D, eager_twin, kv_data, rope_for, selected_sets
+
+pytest.importorskip("numba")
+
+
+def block_both(layer, q_heads: int, kv_heads: int, positions: int, seed: int = 1):
+    """One step of `positions` new tokens and their queries through the fused path and the eager twin."""
+    from s4r.kernels.s4r_step import usable
+
+    twin = eager_twin(layer)
+    g = torch.Generator().manual_seed(seed)
+    new_k = torch.randn(1, kv_heads, positions, D, generator=g)
+    new_v = torch.randn(1, kv_heads, positions, D, generator=g)
+    query = torch.randn(1, q_heads, positions, D, generator=g)
+    assert all(usable(seg, query) for seg in getattr(layer, "segments", [layer]))
+    outs = []
+    for lay in (layer, twin):
+        lay.update(new_k, new_v)
+        outs.append(lay.attend(query, None, None, D ** -0.5).float())
+    assert not jit._state["failed"], "a fused kernel failed, so the eager path ran instead"
+    return outs[0], outs[1], twin
+
+
+@pytest.mark.parametrize("name", ["pre-rope", "pre-rope-int8-rebuild", "pre-rope-model-rebuild",
+                                  "post-rope", "per-head-bases"])
+@pytest.mark.parametrize("positions", [2, 6, 40])  # the rows' own kernels, products, past the window
+def test_a_block_of_queries_is_the_eager_block(name, positions):
+    if positions > CONFIGS[name].query_window and CONFIGS[name].key_space == "post_rope":
+        pytest.skip("post-RoPE blocks past the scoring window run the eager step")
+    q_heads, kv_heads = 9, 3
+    cfg = replace(CONFIGS[name], dense_queries=0)
+    keys, values, queries = kv_data(kv_heads, q_heads, 700, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
+    fused, eager, twin = block_both(layer, q_heads, kv_heads, positions)
+    assert fused.shape == (1, q_heads, positions, D)
+    assert selected_sets(layer) == selected_sets(twin)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    assert layer.rebuilt_tokens == twin.rebuilt_tokens and layer.logical == twin.logical
+
+
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_a_block_over_segments_is_the_eager_block(key_space):
+    q_heads, kv_heads = 9, 3
+    rope = rope_for(q_heads, kv_heads)
+    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, key_space=key_space, dense_queries=0)
+    k1, v1, q1 = kv_data(kv_heads, q_heads, 600, torch.float32, seed=3)
+    k2, v2, q2 = kv_data(kv_heads, q_heads, 500, torch.float32, seed=4)
+    first = compress_layer(k1, v1, q1, cfg, 24, 24, rope)
+    second = compress_layer(k2, v2, q2, replace(cfg, sinks=0), 20, 20, shifted(rope, 600))
+    layer = SegmentedLayer([first, second])
+    fused, eager, twin = block_both(layer, q_heads, kv_heads, 4)
+    assert selected_sets(layer) == selected_sets(twin)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_the_first_query_of_a_block_does_not_see_the_later_ones():
+    """Changing the block's later tokens leaves the first query's output as it was (every stored token
+    rebuilt, so that the later queries' scores cannot move the selection the block shares)."""
+    cfg = replace(CONFIGS["pre-rope"], dense_queries=0, recon_fraction=1.0, recon_cap=1.0, recon_drop=None,
+                  recon_token_cap=0, local_window=0)
+    keys, values, queries = kv_data(3, 9, 700, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
+    other = copy.deepcopy(layer)
+    g = torch.Generator().manual_seed(5)
+    new_k, new_v = torch.randn(1, 3, 3, D, generator=g), torch.randn(1, 3, 3, D, generator=g)
+    query = torch.randn(1, 9, 3, D, generator=g)
+    layer.update(new_k, new_v)
+    changed_k, changed_v = new_k.clone(), new_v.clone()
+    changed_k[:, :, 1:] += 5.0
+    changed_v[:, :, 1:] -= 5.0
+    other.update(changed_k, changed_v)
+    first = layer.attend(query, None, None, D ** -0.5)[:, :, 0]
+    again = other.attend(query, None, None, D ** -0.5)[:, :, 0]
+    assert not jit._state["failed"]
+    torch.testing.assert_close(first, again, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pre-rope", "post-rope"])
+def test_a_block_past_the_window_is_fused_where_keys_are_rebuilt(name):
+    """Post-RoPE keys take every row's logits from the scoring, which covers only the window's rows."""
+    from s4r.kernels.s4r_step import usable
+
+    cfg = replace(CONFIGS[name], dense_queries=0)
+    keys, values, queries = kv_data(3, 9, 400, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
+    window = layer.cfg.query_window
+    assert usable(layer, torch.zeros(1, 9, window, D))
+    assert usable(layer, torch.zeros(1, 9, window + 1, D)) == (name == "pre-rope")
+
+
+@pytest.mark.parametrize("positions", [1, 3])
+def test_query_rows_kernel_folds_positions_as_the_eager_step(positions):
+    import numpy as np
+
+    from s4r.kernels.jit import as_numpy
+    from s4r.kernels.latent_scoring import query_rows
+
+    query = torch.randn(1, 6, positions, 8, generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = np.zeros((2, 3 * positions, 8), np.float32)
+    query_rows(as_numpy(query), out)
+    want = query[0].reshape(2, 3 * positions, 8).float()  # `LowRankLayer.exact_step`'s fold
+    assert torch.equal(torch.from_numpy(out), want)
+
+
+@pytest.mark.parametrize("positions", [1, 4])
+def test_project_queries_kernel_unrotates_each_query_at_its_own_position(positions):
+    """The int8 lead coefficients of a block's queries, each chunk's: the eager step's `_latent_query`
+    within the int8 rounding (half a step of each row's scale)."""
+    import numpy as np
+
+    from s4r.kernels.latent_scoring import project_queries, query_rows
+    from s4r.kernels.s4r_step import _rotations, _views
+
+    cfg = replace(CONFIGS["pre-rope"], dense_queries=0, rope_chunk=128)
+    keys, values, queries = kv_data(3, 9, 700, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
+    g = torch.Generator().manual_seed(3)
+    layer.update(torch.randn(1, 3, positions, D, generator=g), torch.randn(1, 3, positions, D, generator=g))
+    query = torch.randn(1, 9, positions, D, generator=g)
+    qf = query[0].reshape(3, 3 * positions, D)
+    want, bounds = layer._latent_query(qf, positions)  # [C, H, rows, rk]
+    v, n = _views(layer), layer._n
+    undo, cos_q, sin_q, ccos, csin, got_bounds = _rotations(layer, v, n, D, positions)
+    assert list(got_bounds) == list(bounds) and len(bounds) > 2
+    q = np.zeros((3, 3 * positions, D), np.float32)
+    query_rows(query.numpy(), q)
+    chunks, rows = ccos.shape[0], 9 * positions
+    q8, qscale = np.zeros((chunks, rows, v.lead), np.int8), np.zeros((chunks, rows), np.float32)
+    project_queries(q, cos_q, sin_q, undo, ccos, csin, v.blocks_k, v.lead, 1.0, q8, qscale,
+                    np.zeros((rows, 0), np.float32))
+    got = torch.from_numpy(q8.astype(np.float32) * qscale[..., None])
+    lead = want[..., : v.lead].reshape(chunks, rows, v.lead)
+    assert ((got - lead).abs() <= 0.5 * torch.from_numpy(qscale)[..., None] + 1e-5).all()
