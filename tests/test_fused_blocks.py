@@ -14,27 +14,9 @@ from s4r.core.compress import compress_layer
 from s4r.core.rope import shifted
 from s4r.kernels import jit
 from s4r.layers.segments import SegmentedLayer
-from tests.test_fused_kernels import CONFIGS, D, eager_twin, kv_data, rope_for, selected_sets
+from tests.test_fused_kernels import CONFIGS, D, kv_data, rope_for, selected_sets, step_both
 
 pytest.importorskip("numba")
-
-
-def block_both(layer, q_heads: int, kv_heads: int, positions: int, seed: int = 1):
-    """One step of `positions` new tokens and their queries through the fused path and the eager twin."""
-    from s4r.kernels.s4r_step import usable
-
-    twin = eager_twin(layer)
-    g = torch.Generator().manual_seed(seed)
-    new_k = torch.randn(1, kv_heads, positions, D, generator=g)
-    new_v = torch.randn(1, kv_heads, positions, D, generator=g)
-    query = torch.randn(1, q_heads, positions, D, generator=g)
-    assert all(usable(seg, query) for seg in getattr(layer, "segments", [layer]))
-    outs = []
-    for lay in (layer, twin):
-        lay.update(new_k, new_v)
-        outs.append(lay.attend(query, None, None, D ** -0.5).float())
-    assert not jit._state["failed"], "a fused kernel failed, so the eager path ran instead"
-    return outs[0], outs[1], twin
 
 
 @pytest.mark.parametrize("name", ["pre-rope", "pre-rope-int8-rebuild", "pre-rope-model-rebuild",
@@ -47,7 +29,7 @@ def test_a_block_of_queries_is_the_eager_block(name, positions):
     cfg = replace(CONFIGS[name], dense_queries=0)
     keys, values, queries = kv_data(kv_heads, q_heads, 700, torch.float32)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
-    fused, eager, twin = block_both(layer, q_heads, kv_heads, positions)
+    fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.float32, positions=positions)
     assert fused.shape == (1, q_heads, positions, D)
     assert selected_sets(layer) == selected_sets(twin)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
@@ -64,7 +46,7 @@ def test_a_block_over_segments_is_the_eager_block(key_space):
     first = compress_layer(k1, v1, q1, cfg, 24, 24, rope)
     second = compress_layer(k2, v2, q2, replace(cfg, sinks=0), 20, 20, shifted(rope, 600))
     layer = SegmentedLayer([first, second])
-    fused, eager, twin = block_both(layer, q_heads, kv_heads, 4)
+    fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.float32, positions=4)
     assert selected_sets(layer) == selected_sets(twin)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
 

@@ -45,13 +45,14 @@ def eager_twin(layer):
     return twin
 
 
-def step_both(layer, q_heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 1):
-    """One decode step of `layer` through the fused path and of its eager twin: both outputs."""
+def step_both(layer, q_heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 1, positions: int = 1):
+    """One step of `positions` new tokens (a decode step: one) through the fused path and through the
+    eager twin of `layer`: both outputs."""
     twin = eager_twin(layer)
     g = torch.Generator().manual_seed(seed)
-    new_k = torch.randn(1, kv_heads, 1, D, generator=g).to(dtype)
-    new_v = torch.randn(1, kv_heads, 1, D, generator=g).to(dtype)
-    query = torch.randn(1, q_heads, 1, D, generator=g).to(dtype)
+    new_k = torch.randn(1, kv_heads, positions, D, generator=g).to(dtype)
+    new_v = torch.randn(1, kv_heads, positions, D, generator=g).to(dtype)
+    query = torch.randn(1, q_heads, positions, D, generator=g).to(dtype)
     from s4r.kernels.s4r_step import usable
 
     assert all(usable(seg, query) for seg in getattr(layer, "segments", [layer]))
