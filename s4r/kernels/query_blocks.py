@@ -42,10 +42,10 @@ def key_logits_product(q: np.ndarray, rotated: np.ndarray, k: int, scaling: floa
     heads, rows, d = q.shape
     keys = torch.from_numpy(rotated)
     dst = torch.from_numpy(out)
+    scaled = torch.from_numpy(q) * scaling  # the few query rows scaled, not the M x k logits after
     for h in range(heads):
         block = keys[0, :k, h * d : (h + 1) * d] if keys.shape[0] == 1 else keys[h, :k]
-        torch.matmul(torch.from_numpy(q[h]), block.T, out=dst[h * rows : (h + 1) * rows, :k])
-        dst[h * rows : (h + 1) * rows, :k].mul_(scaling)
+        torch.matmul(scaled[h], block.T, out=dst[h * rows : (h + 1) * rows, :k])
 
 
 def value_rows_product(probs: np.ndarray, k: int, decoded: np.ndarray, z: np.ndarray) -> None:
