@@ -121,12 +121,12 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
-    # a step of at least this many queries (a question's prompt, a block of an appended document)
-    # attends every stored token, each rebuilt once for all its rows, instead of one selection for the
-    # block, scored by its last `query_window` queries (`s4r.layers.lowrank_dense`); 0: always a
-    # selection. 129 sends prompts through the selection: faster, answer NLL about +0.01 nats
-    # (docs/design.md, "Blocks of queries")
-    dense_queries: int = 2
+    # a step of at least this many queries (an appended document's 256-token blocks) attends every stored
+    # token, each rebuilt once for all its rows (`s4r.layers.lowrank_dense`); a shorter one (a question's
+    # prompt) shares one selection, scored by its last `query_window` queries. 0: always a selection; 2:
+    # prompts attend every token too, slower, with answers no measurably better (docs/design.md, "Blocks
+    # of queries")
+    dense_queries: int = 129
     # how stored tokens are scored for selection, from each query's (and query head's) own attention
     # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over
     # recent queries too (weight halving every `query_window` queries; a relevance per KV head and

@@ -21,20 +21,23 @@ from s4r.layers.segments import SegmentedLayer
 from tests.test_fused_kernels import D, kv_data, rope_for
 
 Q_HEADS, KV_HEADS = 9, 3
-BLOCK = 24  # queries in a block (at least the default `dense_queries`)
+BLOCK = 24  # queries in a block (at least the configs' `dense_queries`)
+DENSE = 2  # every block of two or more queries attends every stored token (the default sends prompts through
+# the selection: `test_short_blocks_and_single_tokens_select`)
 # every stored token selected, so the selection path attends what the dense path does, its keys rebuilt
 # in the model's dtype as a block rebuilds them
 EVERY_TOKEN = dict(recon_fraction=1.0, recon_cap=1.0, recon_drop=None, recon_token_cap=0,
                    rebuild_dtype="model")
 
 CONFIGS = {
-    "pre-rope": S4RConfig(ratio=None, rank_k=24, rank_v=24),
-    "pre-rope-int8": S4RConfig(ratio=None, rank_k=24, rank_v=24, coef_bands=None),
-    "post-rope": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24),
-    "per-head-bases": S4RConfig(ratio=None, rank_k=16, rank_v=16, granularity="head"),
-    "post-rope-per-head": replace(S4RConfig.fast(5.0), ratio=None, rank_k=16, rank_v=16, granularity="head"),
+    "pre-rope": S4RConfig(ratio=None, rank_k=24, rank_v=24, dense_queries=DENSE),
+    "pre-rope-int8": S4RConfig(ratio=None, rank_k=24, rank_v=24, coef_bands=None, dense_queries=DENSE),
+    "post-rope": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24, dense_queries=DENSE),
+    "per-head-bases": S4RConfig(ratio=None, rank_k=16, rank_v=16, granularity="head", dense_queries=DENSE),
+    "post-rope-per-head": replace(S4RConfig.fast(5.0), ratio=None, rank_k=16, rank_v=16, granularity="head",
+                                  dense_queries=DENSE),
     "post-rope-model-dtype": replace(S4RConfig.fast(5.0), ratio=None, rank_k=24, rank_v=24,
-                                     coef_dtype="model"),
+                                     coef_dtype="model", dense_queries=DENSE),
 }
 
 
@@ -106,7 +109,7 @@ def test_dense_block_at_full_rank_is_exact_attention(key_space):
     attention is exact attention over every key it was given (sinks, stored, buffer, its own)."""
     rope = rope_for(Q_HEADS, KV_HEADS)
     cfg = S4RConfig(ratio=None, rank_k=KV_HEADS * D, rank_v=KV_HEADS * D, coef_dtype="model",
-                    key_space=key_space)
+                    key_space=key_space, dense_queries=DENSE)
     keys, values, queries = kv_data(KV_HEADS, Q_HEADS, 500, torch.float32, seed=5)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope)
     new_k, new_v, query = block(torch.float32)
@@ -149,7 +152,7 @@ def test_the_eager_setting_rebuilds_through_the_reference(monkeypatch):
 @pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
 def test_dense_block_over_segments_is_the_selection_of_every_token(key_space):
     rope = rope_for(Q_HEADS, KV_HEADS)
-    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, key_space=key_space, **EVERY_TOKEN)
+    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, key_space=key_space, dense_queries=DENSE, **EVERY_TOKEN)
     k1, v1, q1 = kv_data(KV_HEADS, Q_HEADS, 600, torch.float32, seed=3)
     k2, v2, q2 = kv_data(KV_HEADS, Q_HEADS, 500, torch.float32, seed=4)
     first = compress_layer(k1, v1, q1, cfg, 24, 24, rope)
@@ -192,7 +195,8 @@ def test_blocks_of_one_layer_reuse_its_rebuilt_tokens_and_a_truncation_forgets_t
 
 
 def test_short_blocks_and_single_tokens_select():
-    cfg = CONFIGS["pre-rope"]
+    assert S4RConfig().dense_queries > 100  # a question's prompt selects by default
+    cfg = replace(CONFIGS["pre-rope"], dense_queries=S4RConfig().dense_queries)
     layer = compressed(cfg)
     out = attend_block(layer, *block(torch.float32, q_len=cfg.dense_queries - 1))
     assert layer.selected.shape[-1] < layer._n and torch.isfinite(out).all()
