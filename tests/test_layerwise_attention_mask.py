@@ -29,7 +29,7 @@ def test_prefill_attention_is_bit_identical_to_sdpa_with_the_boolean_mask(dtype,
     g = torch.Generator().manual_seed(0)
     query = torch.randn(1, 6, 48, 16, generator=g).to(dtype)
     key, value = (torch.randn(1, 2, 130, 16, generator=g).to(dtype) for _ in range(2))
-    got = causal_attention(query, key, value, 0.25, prefix=prefix)
+    got = causal_attention(query, key, value, 0.25, prefix=prefix, sdpa_only=True)  # not `block_attention`
     want = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_mask(48, 130, prefix),
                                           scale=0.25, enable_gqa=True)
     assert torch.equal(got, want)

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from s4r.errors import S4RError
+from s4r.kernels.jit import native_bf16
 
 ATTN_NAME = "s4r"
 _active = threading.local()
+_buffers = threading.local()
 
 # On CPU, queries up to this length fold the query heads of a KV group into the query axis. SDPA with
 # `enable_gqa` takes a slow path on CPU for short queries (7x slower for one token in bf16); long
@@ -38,6 +40,11 @@ MATMUL_MIN_KEYS = 3072
 # keys), and a decode step's key count grows by one: a cache hands over its spare rows up to a multiple
 # of this (`room`), attended with the extra keys masked, so one shape serves many steps
 KEY_BUCKET = 256
+# Longer bf16 query blocks (prefill, a question's prompt) on a CPU with native bf16 products run as two
+# bf16 products per KV head around a bf16 softmax (fp32 inside), transformers' eager arithmetic: about
+# twice SDPA's CPU kernel there (BENCHMARKS.md, "Prefill attention"). A product's logits are kept under
+# this many elements (32 MiB), the block's query positions taken a chunk at a time beyond it.
+BLOCK_LOGITS = 1 << 24
 
 
 def handoff(layer, keys: torch.Tensor) -> None:
@@ -127,6 +134,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     q_heads, q_len, s_len = query.shape[1], query.shape[-2], key.shape[-2]
     kv_heads = key.shape[1]
+    if q_len > FOLD_MAX_QUERY and bf16_products(query) and not sdpa_only:
+        return block_attention(query, key, value, scaling, prefix)
     if kv_heads == q_heads or q_len > FOLD_MAX_QUERY or query.device.type != "cpu":
         mask = additive_causal_mask(q_len, s_len, prefix, query.dtype, query.device)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
@@ -142,6 +151,52 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     else:
         out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return unfold_heads(out, q_heads)
+
+
+def bf16_products(query: torch.Tensor) -> bool:
+    """Whether `query` is bf16 on a CPU whose bf16 matrix products are native (`jit.native_bf16`)."""
+    return query.dtype == torch.bfloat16 and query.device.type == "cpu" and native_bf16()
+
+
+def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                    prefix: int | None = None) -> torch.Tensor:
+    """`causal_attention` of a long bf16 query block as transformers' eager attention computes it, per KV
+    head: the group's query rows (scaled) times the keys in bf16, the block's own keys masked causally, a
+    softmax in fp32 rounded to bf16, times the values. query [B, Hq, q, d]; key/value [B, H, S, d]."""
+    b, q_heads, q_len, d = query.shape
+    kv_heads, s_len = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    prefix = s_len - q_len if prefix is None else prefix
+    mask = causal_mask(q_len, s_len, prefix, query.device)
+    hidden = None if mask is None else ~mask[:, prefix:]  # [q, S - prefix]: the causal part
+    scaled = (query.float() * scaling).to(query.dtype)
+    out = torch.empty_like(query)
+    step = max(1, BLOCK_LOGITS // (group * max(s_len, 1)))
+    logits, probs = _logit_buffers(group * min(step, q_len) * s_len, query.dtype)
+    for i in range(b):
+        for h in range(kv_heads):
+            heads = slice(h * group, (h + 1) * group)
+            keys_t, values = key[i, h].T, value[i, h]
+            for p0 in range(0, q_len, step):
+                p1 = min(q_len, p0 + step)
+                rows = group * (p1 - p0)
+                lg, pr = logits[: rows * s_len].view(rows, s_len), probs[: rows * s_len].view(rows, s_len)
+                torch.matmul(scaled[i, heads, p0:p1].reshape(rows, d), keys_t, out=lg)
+                if hidden is not None:
+                    lg.view(group, p1 - p0, s_len)[..., prefix:].masked_fill_(hidden[p0:p1], float("-inf"))
+                torch.ops.aten._softmax.out(lg, -1, False, out=pr)
+                out[i, heads, p0:p1] = torch.matmul(pr, values).view(group, p1 - p0, d)
+    return out
+
+
+def _logit_buffers(size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat buffers of at least `size` elements, kept per thread: fresh ones of many MiB cost a page
+    fault per 4 KiB at their first write, as much again as the products that fill them."""
+    kept = getattr(_buffers, "logits", None)
+    if kept is None or kept[0].numel() < size or kept[0].dtype != dtype:
+        with torch.inference_mode(False):  # written with `out=` outside inference mode too
+            kept = _buffers.logits = (torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype))
+    return kept
 
 
 def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
