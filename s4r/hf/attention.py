@@ -41,9 +41,9 @@ MATMUL_MIN_KEYS = 3072
 # of this (`room`), attended with the extra keys masked, so one shape serves many steps
 KEY_BUCKET = 256
 # Longer bf16 query blocks (prefill, a question's prompt) on a CPU with native bf16 products run as two
-# bf16 products per KV head around a bf16 softmax (fp32 inside), transformers' eager arithmetic: about
-# twice SDPA's CPU kernel there (BENCHMARKS.md, "Prefill attention"). A product's logits are kept under
-# this many elements (32 MiB), the block's query positions taken a chunk at a time beyond it.
+# bf16 products per KV head around a bf16 softmax (fp32 inside), transformers' eager arithmetic: 1.6-1.8x
+# SDPA's CPU kernel there (BENCHMARKS.md, "Prefill attention"). A product's logits are kept under this many
+# elements (32 MiB), the block's query positions taken a chunk at a time beyond it.
 BLOCK_LOGITS = 1 << 24
 
 
