@@ -30,15 +30,16 @@ def normalize_rows(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def fit_basis(sample: torch.Tensor, rank: int) -> torch.Tensor:
     """Orthonormal basis [groups, width, rank] of the top right-singular vectors of `sample`.
 
-    `sample` is [groups, tokens, width]; the SVD runs in fp32 whatever the input dtype. When the sample
-    has fewer tokens than `rank`, the basis is completed with an orthonormal complement so the rank is
-    always honoured.
+    `sample` is [groups, tokens, width]. The right-singular vectors are the eigenvectors of its Gram
+    matrix [width, width] (an fp32 product, then an fp64 eigendecomposition), found in a fraction of an
+    SVD's time over thousands of tokens. When the sample has fewer tokens than `rank`, the basis is
+    completed with an orthonormal complement so the rank is always honoured.
     """
     x = sample.float()
-    groups, _, width = x.shape
+    groups, tokens, width = x.shape
     rank = min(rank, width)
-    _, _, vh = torch.linalg.svd(x, full_matrices=False)
-    basis = vh.transpose(1, 2)[:, :, :rank]
+    _, vectors = torch.linalg.eigh(torch.matmul(x.transpose(1, 2), x).double())  # ascending eigenvalues
+    basis = vectors.flip(-1)[:, :, : min(rank, tokens)].float()
     if basis.shape[-1] < rank:
         # fewer sampled tokens than the rank: complete with an orthonormal complement (seeded, so
         # the same input always gives the same basis)
