@@ -127,8 +127,9 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query [B, Hq, q, d]; key/value [B, H, S, d] with H dividing Hq. Returns [B, Hq, q, d].
     On CPU, short queries of grouped heads run folded (see FOLD_MAX_QUERY): one [group*q, S] problem
     per KV head, the same arithmetic as `enable_gqa` without its slow path; in bf16 over many keys as
-    two matrix products (`matmul_attention`, see MATMUL_MIN_KEYS) unless `sdpa_only` (the full cache
-    through SDPA alone, a reference row of the speed table). `room`: key and value views that extend `key` and
+    two matrix products (`matmul_attention`, see MATMUL_MIN_KEYS); longer bf16 blocks where bf16 products are
+    native through `block_attention` (see BLOCK_LOGITS); SDPA alone with `sdpa_only` (the full cache
+    through SDPA, a reference row of the speed table). `room`: key and value views that extend `key` and
     `value` with finite rows (a cache's spare capacity up to a KEY_BUCKET boundary); the products then
     run over them with the extra keys masked, the same attention.
     """
