@@ -83,10 +83,15 @@ def causal_mask(q_len: int, s_len: int, prefix: int | None = None,
     if q_len <= 1:
         return None
     prefix = s_len - q_len if prefix is None else prefix
+    own = causal_part(q_len, s_len, prefix, device)
+    return torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=device), own], dim=1)
+
+
+def causal_part(q_len: int, s_len: int, prefix: int, device: torch.device | None = None) -> torch.Tensor:
+    """`causal_mask`'s columns from `prefix` on [q_len, s_len - prefix]: the keys some query may not see."""
     q_idx = torch.arange(q_len, device=device).unsqueeze(1)
     k_idx = torch.arange(s_len - prefix, device=device).unsqueeze(0)
-    own = k_idx <= q_idx + (s_len - prefix - q_len)
-    return torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=device), own], dim=1)
+    return k_idx <= q_idx + (s_len - prefix - q_len)
 
 
 def additive_causal_mask(q_len: int, s_len: int, prefix: int | None, dtype: torch.dtype,
@@ -168,8 +173,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_heads, s_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     prefix = s_len - q_len if prefix is None else prefix
-    mask = causal_mask(q_len, s_len, prefix, query.device)
-    hidden = None if mask is None else ~mask[:, prefix:]  # [q, S - prefix]: the causal part
+    hidden = ~causal_part(q_len, s_len, prefix, query.device)  # [q, S - prefix]
     scaled = (query.float() * scaling).to(query.dtype)
     out = torch.empty_like(query)
     step = max(1, BLOCK_LOGITS // (group * max(s_len, 1)))
@@ -183,8 +187,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 rows = group * (p1 - p0)
                 lg, pr = logits[: rows * s_len].view(rows, s_len), probs[: rows * s_len].view(rows, s_len)
                 torch.matmul(scaled[i, heads, p0:p1].reshape(rows, d), keys_t, out=lg)
-                if hidden is not None:
-                    lg.view(group, p1 - p0, s_len)[..., prefix:].masked_fill_(hidden[p0:p1], float("-inf"))
+                lg.view(group, p1 - p0, s_len)[..., prefix:].masked_fill_(hidden[p0:p1], float("-inf"))
                 torch.ops.aten._softmax.out(lg, -1, False, out=pr)
                 out[i, heads, p0:p1] = torch.matmul(pr, values).view(group, p1 - p0, d)
     return out
