@@ -129,3 +129,95 @@ def test_project_queries_kernel_unrotates_each_query_at_its_own_position(positio
     got = torch.from_numpy(q8.astype(np.float32) * qscale[..., None])
     lead = want[..., : v.lead].reshape(chunks, rows, v.lead)
     assert ((got - lead).abs() <= 0.5 * torch.from_numpy(qscale)[..., None] + 1e-5).all()
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., d] rotated as RoPE rotates (x cos + rotate_half(x) sin), in float64."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x.double() * cos.double() + turned.double() * sin.double()
+
+
+@pytest.mark.parametrize("d,width", [(64, 192), (64, 64), (128, 256), (24, 48)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rotate_keys_kernel_turns_each_key_to_its_position(d, width, scaled):
+    """The head sizes with their own loops and one without, int32 sums with their scales and plain keys:
+    each selected key rotated to its position (`angle_parts`' two rows composed, within their rounding)."""
+    import types
+
+    import numpy as np
+
+    from s4r.core.rope import angle_parts
+    from s4r.kernels.query_blocks import rotate_keys
+
+    g = torch.Generator().manual_seed(d + width)
+    groups, k, pos0 = 2, 37, 5
+    rotary = types.SimpleNamespace(inv_freq=10000.0 ** -(torch.arange(0, d, 2) / d), attention_scaling=1.0)
+    coarse, fine = (t.numpy() for t in angle_parts(rotary, 4000))
+    idx = torch.randperm(3000, generator=g)[:k].sort().values
+    if scaled:
+        keys = torch.randint(-3000, 3000, (groups, k + 3, width), generator=g, dtype=torch.int32)
+        col, row = torch.rand(groups, width, generator=g), torch.rand(groups, k, generator=g)
+        plain = keys[:, :k].double() * col[:, None].double() * row[..., None].double()
+    else:
+        keys = torch.randn(groups, k + 3, width, generator=g)
+        col, row = torch.zeros(groups, 0), torch.zeros(groups, 0)
+        plain = keys[:, :k].double()
+    out = np.zeros((groups, k, width), np.float32)
+    rotate_keys(keys.numpy(), idx.numpy(), k, pos0, coarse, fine, col.numpy(), row.numpy(), out)
+    angles = (idx + pos0).double()[:, None] * rotary.inv_freq.double()[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    want = _rotated(plain.view(groups, k, width // d, d), cos[:, None], sin[:, None]).view(groups, k, width)
+    scale = plain.abs().amax()
+    assert (torch.from_numpy(out).double() - want).abs().max() <= 2e-3 * scale
+
+
+@pytest.mark.parametrize("d", [64, 128, 24])
+def test_project_queries_kernel_for_each_head_size(d):
+    """Un-rotated from each query's own angles, turned by each chunk's, projected on each KV head's block
+    of the key basis: the int8 codes within half a step of the fp64 product, the last chunk's fp32 row."""
+    import numpy as np
+
+    from s4r.kernels.latent_scoring import project_queries
+
+    g = torch.Generator().manual_seed(d)
+    heads, positions, group, rk, lead, chunks = 3, 4, 3, 20, 7, 2
+    rows = group * positions
+    q = torch.randn(heads, rows, d, generator=g)
+    blocks = torch.randn(heads, rk, d, generator=g)
+
+    def angles(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.rand(n, d // 2, generator=g) * 6
+        return torch.cat([a.cos()] * 2, -1), torch.cat([a.sin()] * 2, -1)
+
+    (cos_q, sin_q), (ccos, csin) = angles(positions), angles(chunks)
+    q8, qscale = np.zeros((chunks, heads * rows, lead), np.int8), np.zeros((chunks, heads * rows), np.float32)
+    qfull = np.zeros((heads * rows, rk), np.float32)
+    project_queries(q.numpy(), cos_q.numpy(), sin_q.numpy(), True, ccos.numpy(), csin.numpy(), blocks.numpy(),
+                    lead, 0.5, q8, qscale, qfull)
+    pos = torch.arange(rows) % positions
+    back = _rotated(q, cos_q[pos], -sin_q[pos])  # cos^2 + sin^2 = 1: the inverse rotation
+    for c in range(chunks):
+        want = torch.einsum("hmd,hrd->hmr", _rotated(back, ccos[c], csin[c]), blocks.double())
+        want = want.reshape(heads * rows, rk)
+        got = torch.from_numpy(q8[c]).double() * torch.from_numpy(qscale[c]).double()[:, None] / 0.5
+        half_step = torch.from_numpy(qscale[c]).double()[:, None] / 0.5 / 2 + 1e-4
+        assert ((got - want[:, :lead]).abs() <= half_step).all()
+    torch.testing.assert_close(torch.from_numpy(qfull).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_add_value_basis_product_is_the_kernel():
+    """The block path's value-basis products give `add_value_basis`' sums."""
+    import numpy as np
+
+    from s4r.kernels.query_blocks import add_value_basis_product
+    from s4r.kernels.sparse_attention import add_value_basis
+
+    g = torch.Generator().manual_seed(0)
+    heads, rows, rank, d = 3, 40, 37, 64
+    z, basis = torch.randn(heads * rows, rank, generator=g), torch.randn(heads, rank, d, generator=g)
+    start = torch.randn(heads, rows, d, generator=g)
+    want, got = start.numpy().copy(), start.numpy().copy()
+    add_value_basis(z.numpy(), basis.numpy(), want)
+    add_value_basis_product(z.numpy(), basis.numpy(), got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

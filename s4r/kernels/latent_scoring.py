@@ -34,47 +34,42 @@ def query_rows(query, out):
                 dst[i] = as_f32(src[i])
 
 
-@kernel
-def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull):
-    """q [H, M, d] fp32 query rows -> per chunk c: int8 lead coefficients q8 [C, R, lead] and their
-    scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients qfull [R, F] (F = rk where
-    post-RoPE keys take their lower bands' logits from them, 0 where pre-RoPE keys are rebuilt instead).
-    `undo`: un-rotate from the query's own angles first (cos_q, sin_q [Q, d]: row m's position is m % Q, as
-    `query_rows` folds Q positions); ccos/csin [C, d]: each chunk's rotation (cos 1, sin 0 for none).
-    blocks [H, d, rk]: each KV head's block of the key basis."""
-    heads, rows, d = q.shape
-    positions = cos_q.shape[0]
+@inline
+def _project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull, d):
+    heads, rows = q.shape[0], q.shape[1]
+    positions, chunks, full = cos_q.shape[0], ccos.shape[0], qfull.shape[1]
     half = d // 2
-    chunks = ccos.shape[0]
-    rk = blocks.shape[2]
-    full = qfull.shape[1]
     x = np.empty(d, np.float32)
     y = np.empty(d, np.float32)
-    coef = np.empty(rk, np.float32)
+    coef = np.empty(blocks.shape[1], np.float32)
     for h in range(heads):
         for m in range(rows):
-            r = h * rows + m
-            for i in range(d):
-                x[i] = q[h, m, i]
-            if undo:  # (x cos - rotate_half(x) sin) / (cos^2 + sin^2)
+            r, src = h * rows + m, q[h, m]
+            if undo:  # (x cos - rotate_half(x) sin) / (cos^2 + sin^2), each half in its own loop
+                cq, sq = cos_q[m % positions], sin_q[m % positions]
+                for i in range(half):
+                    c, s = cq[i], sq[i]
+                    x[i] = (src[i] * c + src[half + i] * s) / (c * c + s * s)
+                for i in range(half):
+                    c, s = cq[half + i], sq[half + i]
+                    x[half + i] = (src[half + i] * c - src[i] * s) / (c * c + s * s)
+            else:
                 for i in range(d):
-                    rot = -x[i + half] if i < half else x[i - half]
-                    c, s = cos_q[m % positions, i], sin_q[m % positions, i]
-                    y[i] = (x[i] * c - rot * s) / (c * c + s * s)
-                for i in range(d):
-                    x[i] = y[i]
+                    x[i] = src[i]
             for ch in range(chunks):
-                for i in range(d):
-                    rot = -x[i + half] if i < half else x[i - half]
-                    y[i] = x[i] * ccos[ch, i] + rot * csin[ch, i]
-                # the int8 lead columns, and every band only where qfull keeps them
+                cc, cs = ccos[ch], csin[ch]
+                for i in range(half):
+                    y[i] = x[i] * cc[i] - x[half + i] * cs[i]
+                for i in range(half):
+                    y[half + i] = x[half + i] * cc[half + i] + x[i] * cs[half + i]
+                # the int8 lead columns, and every band only where qfull keeps them: one dot of d a column
                 cols = max(lead, full) if ch == chunks - 1 else lead
                 for j in range(cols):
-                    coef[j] = 0.0
-                for i in range(d):
-                    yi, row = y[i], blocks[h, i]
-                    for j in range(cols):
-                        coef[j] += yi * row[j]
+                    column = blocks[h, j]
+                    acc = np.float32(0.0)
+                    for i in range(d):
+                        acc += y[i] * column[i]
+                    coef[j] = acc
                 amax = np.float32(0.0)
                 for j in range(lead):
                     amax = max(amax, abs(coef[j]))
@@ -85,6 +80,24 @@ def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8
                 if ch == chunks - 1:
                     for j in range(full):
                         qfull[r, j] = coef[j]
+
+
+@kernel
+def project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull):
+    """q [H, M, d] fp32 query rows -> per chunk c: int8 lead coefficients q8 [C, R, lead] and their
+    scales times `scaling` qscale [C, R]; the last chunk's fp32 coefficients qfull [R, F] (F = rk where
+    post-RoPE keys take their lower bands' logits from them, 0 where pre-RoPE keys are rebuilt instead).
+    `undo`: un-rotate from the query's own angles first (cos_q, sin_q [Q, d]: row m's position is m % Q, as
+    `query_rows` folds Q positions); ccos/csin [C, d]: each chunk's rotation (cos 1, sin 0 for none).
+    blocks [H, rk, d]: each KV head's block of the key basis, transposed (a column's d rows contiguous)."""
+    d = q.shape[2]
+    # the common head sizes get loops of a known trip count, which LLVM vectorizes whole
+    if d == 64:
+        _project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull, 64)
+    elif d == 128:
+        _project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull, 128)
+    else:
+        _project_queries(q, cos_q, sin_q, undo, ccos, csin, blocks, lead, scaling, q8, qscale, qfull, d)
 
 
 @kernel

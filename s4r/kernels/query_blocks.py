@@ -1,6 +1,7 @@
 """What a block of queries (a question's prompt) adds to the fused step (`s4r.kernels.s4r_step`): the rows
 that score, each query's mask over the block's later tokens, and the selected tokens' logits and value
-rows as matrix products once a step has more rows than a decode step's few.
+rows, and their latent values' share through the value basis, as matrix products once a step has more rows
+than a decode step's few.
 
 Reference: the eager step's `LowRankLayer.exact_step` (the mask, `causal_mask`) and `_window_logits` (the
 scoring rows: the last `query_window` queries of the block), the same selection serving every row.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from s4r.kernels.jit import as_f32, compose_angles, fine_shift, kernel
+from s4r.kernels.jit import as_f32, compose_angles, fine_shift, inline, kernel
 
 PRODUCT_ROWS = 16  # query rows per KV head from which logits and value rows are matrix products
 
@@ -57,29 +58,57 @@ def value_rows_product(probs: np.ndarray, k: int, decoded: np.ndarray, z: np.nda
         torch.matmul(p[g * rows : (g + 1) * rows, :k], rows_v[g, :k], out=out[g])
 
 
+def add_value_basis_product(z: np.ndarray, basis: np.ndarray, out: np.ndarray) -> None:
+    """out[h] += z's rows of head h (z [H * M, r_v], rows in head order) @ basis[h] [r_v, d]:
+    `add_value_basis` as one product a head."""
+    heads, rows = out.shape[0], out.shape[1]
+    latent, blocks, dst = torch.from_numpy(z), torch.from_numpy(basis), torch.from_numpy(out)
+    for h in range(heads):
+        dst[h].addmm_(latent[h * rows : (h + 1) * rows], blocks[h])
+
+
+@inline
+def _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width):
+    d = 2 * half
+    shift = fine_shift(fine)
+    scaled = col_scale.shape[1] > 0
+    ang = np.empty(d, np.float32)
+    # each key widened and scaled into a local row, rotated into another, then copied out: loops over
+    # local arrays vectorize (rotating from `keys` into `out` directly ran 4-5x slower)
+    row = np.empty(width, np.float32)
+    rot = np.empty(width, np.float32)
+    ones = np.ones(width, np.float32)
+    for j in range(k):
+        compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
+        for b in range(out.shape[0]):
+            src = keys[b, j]
+            factor = row_scale[b, j] if scaled else np.float32(1.0)
+            cols = col_scale[b] if scaled else ones
+            for i in range(width):
+                row[i] = as_f32(src[i]) * (factor * cols[i])
+            for base in range(0, width, d):
+                for i in range(half):
+                    x1, x2 = row[base + i], row[base + half + i]
+                    c, s = ang[i], ang[half + i]
+                    rot[base + i] = x1 * c - x2 * s
+                    rot[base + half + i] = x2 * c + x1 * s
+            dst = out[b, j]
+            for i in range(width):
+                dst[i] = rot[i]
+
+
 @kernel
 def rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out):
     """out[b, j] = the rebuilt pre-RoPE key keys[b, j] [W] of token idx[j] (its d-column heads; int32 sums
     scaled by col_scale[b] and row_scale[b, j] as `rotated_key_logits` takes them, else empty scales)
     rotated to position idx[j] + pos0, in fp32: the keys `key_logits_product` multiplies."""
-    groups, width = out.shape[0], out.shape[2]
-    half = coarse.shape[1] // 2
-    d = 2 * half
-    shift = fine_shift(fine)
-    scaled = col_scale.shape[1] > 0
-    ang = np.empty(d, np.float32)
-    for j in range(k):
-        compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
-        for b in range(groups):
-            src, dst = keys[b, j], out[b, j]
-            factor = row_scale[b, j] if scaled else np.float32(1.0)
-            for base in range(0, width, d):
-                for i in range(half):
-                    x1 = as_f32(src[base + i]) * factor
-                    x2 = as_f32(src[base + half + i]) * factor
-                    if scaled:
-                        x1 *= col_scale[b, base + i]
-                        x2 *= col_scale[b, base + half + i]
-                    c, s = ang[i], ang[half + i]
-                    dst[base + i] = x1 * c - x2 * s
-                    dst[base + half + i] = x2 * c + x1 * s
+    half, width = coarse.shape[1] // 2, out.shape[2]
+    # the common shapes get loops of a known trip count, which LLVM vectorizes whole
+    if half == 32 and width == 192:
+        _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 32, 192)
+    elif half == 32:
+        _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 32, width)
+    elif half == 64:
+        _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 64, width)
+    else:
+        _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width)

@@ -29,6 +29,7 @@ from s4r.kernels.latent_scoring import (
 )
 from s4r.kernels.query_blocks import (
     PRODUCT_ROWS,
+    add_value_basis_product,
     key_logits_product,
     mask_later_tokens,
     rotate_keys,
@@ -108,7 +109,7 @@ class _Views:
         self.bits_k, self.widths_k = band_arrays(layer, keys=True)
         self.bits_v, self.widths_v = band_arrays(layer, keys=False)
         self.int8 = layer.rebuild_int8
-        self.blocks_k = head_blocks(layer.basis_k, layer.heads).float().contiguous().numpy()
+        self.blocks_k = head_blocks(layer.basis_k, layer.heads).float().transpose(1, 2).contiguous().numpy()
         if self.int8:  # codes [G, W, rk] with a scale per key dimension, as `int8_basis` quantizes
             codes, scale = int8_basis(layer.basis_k)
             rebuild, self.col_scale = codes.transpose(1, 2).contiguous(), scale[..., 0].contiguous().numpy()
@@ -327,13 +328,14 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
     softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1))
     if k:
         z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
-        if rows > PRODUCT_ROWS:  # a block of queries: the value rows decoded once, one product a group
+        if rows > PRODUCT_ROWS:  # a block of queries: the value rows decoded once, products a group/head
             decoded = scratch.np("value_rows", (v.groups_v, k, v.rv))
             decode_rows(idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, False, decoded)
             value_rows_product(sel, k, decoded, z)
+            add_value_basis_product(z.reshape(nrows, v.rv), v.blocks_v, out_np)
         else:
             weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z)
-        add_value_basis(z.reshape(nrows, v.rv), v.blocks_v, out_np)
+            add_value_basis(z.reshape(nrows, v.rv), v.blocks_v, out_np)
     return torch.from_numpy(out_np), torch.from_numpy(lse_np)
 
 
