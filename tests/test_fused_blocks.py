@@ -51,6 +51,28 @@ def test_a_block_over_segments_is_the_eager_block(key_space):
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_over_a_long_buffer_is_the_eager_block(dtype):
+    """A document's last, partial block: hundreds of its own tokens still exact in the buffer, whose
+    logits and values the fused step takes as products (`EXACT_PRODUCT`)."""
+    from s4r.kernels.query_blocks import EXACT_PRODUCT
+
+    q_heads, kv_heads = 9, 3
+    cfg = replace(CONFIGS["pre-rope"], dense_queries=0, buffer_tokens=512)
+    keys, values, queries = kv_data(kv_heads, q_heads, 700, dtype)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
+    g = torch.Generator().manual_seed(5)
+    layer.update(torch.randn(1, kv_heads, 300, D, generator=g).to(dtype),
+                 torch.randn(1, kv_heads, 300, D, generator=g).to(dtype))
+    fused, eager, twin = step_both(layer, q_heads, kv_heads, dtype, positions=20)
+    assert twin.exact_length >= EXACT_PRODUCT
+    if dtype == torch.float32:
+        assert selected_sets(layer) == selected_sets(twin)
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    else:
+        assert (fused - eager).abs().max() < 0.05 * eager.abs().max()
+
+
 def test_the_first_query_of_a_block_does_not_see_the_later_ones():
     """Changing the block's later tokens leaves the first query's output as it was (every stored token
     rebuilt, so that the later queries' scores cannot move the selection the block shares)."""

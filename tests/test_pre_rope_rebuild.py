@@ -282,3 +282,25 @@ def test_bf16_rebuild_matches_the_fp32_reference_to_bf16_rounding(granularity, b
     none = torch.zeros(idx.shape[0], 0, dtype=torch.long)  # a segment given no token: empty, no error
     layer.cfg = cfg
     assert layer._rebuilt_key_logits(qf, none, 0.25).shape == (heads, 3, 0)
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPE_PAIRS = [(F32, F32), (BF16, BF16), (BF16, F32)]
+
+
+@pytest.mark.parametrize("x_dtype,table_dtype", DTYPE_PAIRS)
+def test_undo_rope_is_the_formula_and_inverts_apply_rope(x_dtype, table_dtype):
+    """(x cos - rotate_half(x) sin) / (cos^2 + sin^2) to the bit, with tables that carry a scaling, and
+    the keys `apply_rope` turned come back."""
+    from s4r.core.rope import rotate_half, undo_rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, 16, generator=g).to(x_dtype)
+    angles = torch.rand(50, 8, generator=g) * 40
+    cos = (1.2 * torch.cat([angles.cos()] * 2, -1)).to(table_dtype)
+    sin = (1.2 * torch.cat([angles.sin()] * 2, -1)).to(table_dtype)
+    want = (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+    assert torch.equal(undo_rope(x, cos, sin), want)
+    plain = torch.randn(3, 50, 16, generator=g)
+    turned = apply_rope(plain, cos.float(), sin.float())
+    torch.testing.assert_close(undo_rope(turned, cos.float(), sin.float()), plain, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,7 @@ size bands (`s4r.core.budget`) without the encoders of `s4r.core.coef_bands`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 # Max (1960): MSE-optimal step of a uniform quantizer for a unit Gaussian, by bit width
 GAUSSIAN_STEP = {2: 0.9957, 4: 0.3352}
@@ -34,6 +35,7 @@ class BandPlan:
         return len(self.tails)
 
 
+@lru_cache(maxsize=64)
 def parse_band_spec(spec: str) -> tuple[tuple[int, float], ...]:
     """'8:1,4:3,2:4' -> ((8, 1.0), (4, 3.0), (2, 4.0)): bit widths and their relative shares of the rank.
 
@@ -58,6 +60,8 @@ def parse_band_spec(spec: str) -> tuple[tuple[int, float], ...]:
     return tuple(parts)
 
 
+# kept: the rank solver sizes a few hundred candidate ranks a layer (`s4r.core.budget.solve_ranks`)
+@lru_cache(maxsize=4096)
 def plan_bands(rank: int, spec: str | None) -> BandPlan:
     """Split `rank` columns into bands by the shares of `spec` (None: one int8 band of `rank`).
 

@@ -26,8 +26,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of `apply_rope`, also when cos/sin carry an attention scaling (cos^2 + sin^2 != 1)."""
-    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+    """Inverse of `apply_rope`, also when cos/sin carry an attention scaling (cos^2 + sin^2 != 1):
+    (x cos - rotate_half(x) sin) / (cos^2 + sin^2), each half updated in place (a layer's keys in a few
+    passes, not eight fresh tensors; the same values)."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] += x[..., half:] * sin[..., :half]
+    out[..., half:] -= x[..., :half] * sin[..., half:]
+    return out.div_(cos * cos + sin * sin)
 
 
 def model_rope_fn(model) -> RopeFn | None:

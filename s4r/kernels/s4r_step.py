@@ -28,8 +28,11 @@ from s4r.kernels.latent_scoring import (
     query_rows,
 )
 from s4r.kernels.query_blocks import (
+    EXACT_PRODUCT,
     PRODUCT_ROWS,
     add_value_basis_product,
+    exact_logits_product,
+    exact_values_product,
     key_logits_product,
     mask_later_tokens,
     rotate_keys,
@@ -236,7 +239,10 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         project_queries(qs, cos_q[-window:], sin_q[-window:], undo, ccos, csin, v.blocks_k, v.lead, scaling,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
-        exact_logits(q, v.ek, e, scaling, el)
+        if rows > PRODUCT_ROWS and e >= EXACT_PRODUCT:  # a document's last block: its own buffer
+            exact_logits_product(q, v.ek, e, scaling, el, scratch)
+        else:
+            exact_logits(q, v.ek, e, scaling, el)
         if positions > 1:
             mask_later_tokens(el, seg, heads, positions)
         els = window_rows(el, heads, group, positions, window, scratch.np("el_scoring", (nrows, e)))
@@ -325,7 +331,10 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         latent_key_logits(logits, part.off, idx, k, qtail, v.tk, v.tsk, v.bits_k, v.widths_k, rows, sel)
     out_np = np.empty((heads, rows, d), np.float32)
     lse_np = np.empty((heads, rows), np.float32)
-    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1))
+    exact_products = rows > PRODUCT_ROWS and e >= EXACT_PRODUCT
+    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not exact_products)
+    if exact_products:
+        exact_values_product(part.el, e, v.ev, out_np, scratch)
     if k:
         z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
         if rows > PRODUCT_ROWS:  # a block of queries: the value rows decoded once, products a group/head

@@ -342,10 +342,11 @@ def latent_key_logits(logits, off, idx, k, qtail, tail_codes, tail_steps, bits, 
 
 
 @kernel
-def softmax_exact_values(el, e, sel, k, ev, out, lse):
+def softmax_exact_values(el, e, sel, k, ev, out, lse, values):
     """One softmax per query row over its exact logits el[r, :e] and selected logits sel[r, :k]: the
     selected probabilities replace sel in place, out [H, M, d] gets the exact values' share (values ev
-    [H, >=e, d]) and lse[r] the logsumexp."""
+    [H, >=e, d]) and lse[r] the logsumexp. Without `values`, the exact probabilities replace el in place
+    instead and out is zeroed (`query_blocks.exact_values_product` adds their share)."""
     heads, rows, d = out.shape
     lanes = np.empty(LANES, np.float32)
     for h in range(heads):
@@ -366,10 +367,14 @@ def softmax_exact_values(el, e, sel, k, ev, out, lse):
                 sel[r, j] *= inv
             for i in range(d):
                 out[h, m, i] = 0.0
-            for t in range(e):
-                p = fast_exp(el[r, t] - top) * inv
-                for i in range(d):
-                    out[h, m, i] += p * as_f32(ev[h, t, i])
+            if values:
+                for t in range(e):
+                    p = fast_exp(el[r, t] - top) * inv
+                    for i in range(d):
+                        out[h, m, i] += p * as_f32(ev[h, t, i])
+            else:
+                for t in range(e):
+                    el[r, t] = fast_exp(el[r, t] - top) * inv
             lse[r] = top + np.float32(math.log(total))
 
 
