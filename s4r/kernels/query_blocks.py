@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from s4r.kernels.jit import as_f32, compose_angles, fine_shift, inline, kernel
-from s4r.kernels.scratch import Scratch
 
 PRODUCT_ROWS = 16  # query rows per KV head from which logits and value rows are matrix products
 # exact tokens from which a block's exact logits and values are products too: a document's last, partial
@@ -48,22 +47,23 @@ def _tensor(x: np.ndarray) -> torch.Tensor:
 
 
 def exact_logits_product(q: np.ndarray, ek: np.ndarray, e: int, scaling: float, out: np.ndarray,
-                         scratch: Scratch) -> None:
+                         keys: torch.Tensor) -> None:
     """`exact_logits` as one fp32 product a head: out[h * M + m, :e] = scaling * q[h, m] . ek[h, t] for the
-    exact keys ek [H, >=e, d] (fp32, or bf16 bits widened)."""
-    heads, rows, d = q.shape
-    keys = scratch.get("exact_keys", (heads, e, d)).copy_(_tensor(ek)[:, :e])
+    exact keys ek [H, >=e, d] (fp32, or bf16 bits), widened into `keys`, an fp32 buffer [H, e, d]."""
+    heads, rows, _ = q.shape
+    keys.copy_(_tensor(ek)[:, :e])
     scaled, dst = torch.from_numpy(q) * scaling, torch.from_numpy(out)
     for h in range(heads):
         torch.matmul(scaled[h], keys[h].T, out=dst[h * rows : (h + 1) * rows, :e])
 
 
 def exact_values_product(probs: np.ndarray, e: int, ev: np.ndarray, out: np.ndarray,
-                         scratch: Scratch) -> None:
+                         values: torch.Tensor) -> None:
     """out[h, m] += probs[h * M + m, :e] @ ev[h, :e]: the exact values' share `softmax_exact_values` leaves
-    (exact values ev [H, >=e, d], fp32 or bf16 bits widened), as one fp32 product a head."""
-    heads, rows, d = out.shape
-    values = scratch.get("exact_values", (heads, e, d)).copy_(_tensor(ev)[:, :e])
+    (exact values ev [H, >=e, d], fp32 or bf16 bits, widened into `values`, an fp32 buffer [H, e, d]), as
+    one fp32 product a head."""
+    heads, rows, _ = out.shape
+    values.copy_(_tensor(ev)[:, :e])
     p, dst = torch.from_numpy(probs), torch.from_numpy(out)
     for h in range(heads):
         dst[h].addmm_(p[h * rows : (h + 1) * rows, :e], values[h])

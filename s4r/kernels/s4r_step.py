@@ -240,7 +240,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
         if rows > PRODUCT_ROWS and e >= EXACT_PRODUCT:  # a document's last block: its own buffer
-            exact_logits_product(q, v.ek, e, scaling, el, scratch)
+            exact_logits_product(q, v.ek, e, scaling, el, scratch.get("exact_keys", (heads, e, d)))
         else:
             exact_logits(q, v.ek, e, scaling, el)
         if positions > 1:
@@ -334,7 +334,7 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
     exact_products = rows > PRODUCT_ROWS and e >= EXACT_PRODUCT
     softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not exact_products)
     if exact_products:
-        exact_values_product(part.el, e, v.ev, out_np, scratch)
+        exact_values_product(part.el, e, v.ev, out_np, scratch.get("exact_values", (heads, e, d)))
     if k:
         z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
         if rows > PRODUCT_ROWS:  # a block of queries: the value rows decoded once, products a group/head
