@@ -40,6 +40,12 @@ def mask_later_tokens(el: np.ndarray, seg, heads: int, positions: int) -> None:
         rows[:, :, i, max(e - positions + i + 1, e - seg._n_buf) :] = -np.inf
 
 
+def exact_products(rows: int, e: int) -> bool:
+    """Whether a step's exact logits and values (`e` exact tokens, `rows` query rows per KV head) are
+    products (`exact_logits_product`, `exact_values_product`) rather than the kernels' loops."""
+    return rows > PRODUCT_ROWS and e >= EXACT_PRODUCT
+
+
 def _tensor(x: np.ndarray) -> torch.Tensor:
     """x as a tensor sharing its memory: bf16 where x holds bf16 bits (uint16)."""
     t = torch.from_numpy(x)

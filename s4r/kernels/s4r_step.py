@@ -28,10 +28,10 @@ from s4r.kernels.latent_scoring import (
     query_rows,
 )
 from s4r.kernels.query_blocks import (
-    EXACT_PRODUCT,
     PRODUCT_ROWS,
     add_value_basis_product,
     exact_logits_product,
+    exact_products,
     exact_values_product,
     key_logits_product,
     mask_later_tokens,
@@ -239,7 +239,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         project_queries(qs, cos_q[-window:], sin_q[-window:], undo, ccos, csin, v.blocks_k, v.lead, scaling,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
-        if rows > PRODUCT_ROWS and e >= EXACT_PRODUCT:  # a document's last block: its own buffer
+        if exact_products(rows, e):  # a document's last block: its own tokens, still in the buffer
             exact_logits_product(q, v.ek, e, scaling, el, scratch.get("exact_keys", (heads, e, d)))
         else:
             exact_logits(q, v.ek, e, scaling, el)
@@ -331,9 +331,9 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         latent_key_logits(logits, part.off, idx, k, qtail, v.tk, v.tsk, v.bits_k, v.widths_k, rows, sel)
     out_np = np.empty((heads, rows, d), np.float32)
     lse_np = np.empty((heads, rows), np.float32)
-    exact_products = rows > PRODUCT_ROWS and e >= EXACT_PRODUCT
-    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not exact_products)
-    if exact_products:
+    products = exact_products(rows, e)
+    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not products)
+    if products:
         exact_values_product(part.el, e, v.ev, out_np, scratch.get("exact_values", (heads, e, d)))
     if k:
         z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
