@@ -35,7 +35,6 @@ class BandPlan:
         return len(self.tails)
 
 
-@lru_cache(maxsize=64)
 def parse_band_spec(spec: str) -> tuple[tuple[int, float], ...]:
     """'8:1,4:3,2:4' -> ((8, 1.0), (4, 3.0), (2, 4.0)): bit widths and their relative shares of the rank.
 

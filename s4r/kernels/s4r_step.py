@@ -189,12 +189,13 @@ def _rotations(layer, v: _Views, n: int, d: int, positions: int):
 class _Part:
     """What scoring one segment left for its attention."""
 
-    __slots__ = ("layer", "views", "scratch", "off", "el", "qfull")
+    __slots__ = ("layer", "views", "scratch", "off", "el", "qfull", "products")
 
     def __init__(self, layer, views: _Views, scratch: Scratch, off: int, el: np.ndarray,
-                 qfull: np.ndarray) -> None:
+                 qfull: np.ndarray, products: bool) -> None:
         self.layer, self.views, self.scratch = layer, views, scratch
         self.off, self.el, self.qfull = off, el, qfull
+        self.products = products  # the exact logits were products, so the exact values are too
 
 
 def attend(segments: list, query: torch.Tensor, scaling: float,
@@ -239,7 +240,8 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         project_queries(qs, cos_q[-window:], sin_q[-window:], undo, ccos, csin, v.blocks_k, v.lead, scaling,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
-        if exact_products(rows, e):  # a document's last block: its own tokens, still in the buffer
+        products = exact_products(rows, e)
+        if products:  # a document's last block: its own tokens, still in the buffer
             exact_logits_product(q, v.ek, e, scaling, el, scratch.get("exact_keys", (heads, e, d)))
         else:
             exact_logits(q, v.ek, e, scaling, el)
@@ -250,7 +252,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         cand = min(max(cand_total - off, 0), n)
         normaliser(logits, off, n, els, seg.sinks, seg._n_out, e, v.out_idx, cand, rowmax[i], rowsum[i],
                    candsum[i], scratch.np("keep", (n,)))
-        parts.append(_Part(seg, v, scratch, off, el, qfull))
+        parts.append(_Part(seg, v, scratch, off, el, qfull, products))
         off += n
     combine_normalisers(rowmax, rowsum, candsum, lse, candmass)
     for part in parts:
@@ -331,9 +333,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         latent_key_logits(logits, part.off, idx, k, qtail, v.tk, v.tsk, v.bits_k, v.widths_k, rows, sel)
     out_np = np.empty((heads, rows, d), np.float32)
     lse_np = np.empty((heads, rows), np.float32)
-    products = exact_products(rows, e)
-    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not products)
-    if products:
+    softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not part.products)
+    if part.products:
         exact_values_product(part.el, e, v.ev, out_np, scratch.get("exact_values", (heads, e, d)))
     if k:
         z = scratch.np("z", (v.groups_v, nrows // v.groups_v, v.rv))
