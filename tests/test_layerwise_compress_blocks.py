@@ -13,7 +13,9 @@ from s4r.core.coef_bands import encode_coefficients
 from s4r.core.compress import (
     compress_layer,
     compressible_parts,
+    extend_layer_bases,
     fit_layer_bases,
+    layer_parts,
     outlier_tokens,
     token_blocks,
 )
@@ -116,6 +118,27 @@ def test_bases_come_from_the_sampled_tokens_as_before():
     bases = fit_layer_bases(keys, values, cfg, toy_rope, 10, 9)
     assert torch.equal(bases.k, fit_basis(normalize_rows(k_groups[:, idx]), 10))
     assert torch.equal(bases.v, fit_basis(normalize_rows(v_groups[:, idx]), 9))
+
+
+def test_one_conversion_of_a_short_layer_serves_its_sample_bases_and_coefficients():
+    """A layer of one compression block is converted once (`layer_parts`): bases fitted or extended from
+    its rows, and the layer it stores, are those of converting the sample and the block apart."""
+    cfg = S4RConfig(ratio=2.0, sample_tokens=96, local_window=8, key_space="pre_rope")
+    keys, values, queries = layer_inputs(300, seed=3)
+    parts = layer_parts(keys, values, cfg, toy_rope)
+    assert parts is not None and layer_parts(keys, values, cfg, toy_rope, block_tokens=64) is None
+    assert all(torch.equal(a, b) for a, b in zip(parts, compressible_parts(keys, values, cfg, toy_rope),
+                                                 strict=True))
+    fitted, apart = fit_layer_bases(keys, values, cfg, toy_rope, 10, 9, parts), fit_layer_bases(
+        keys, values, cfg, toy_rope, 10, 9)
+    assert torch.equal(fitted.k, apart.k) and torch.equal(fitted.v, apart.v)
+    prefix_k, prefix_v = fitted.k[..., :6], fitted.v[..., :5]
+    extended = extend_layer_bases(keys, values, cfg, toy_rope, prefix_k, prefix_v, 12, 10, parts)
+    alone = extend_layer_bases(keys, values, cfg, toy_rope, prefix_k, prefix_v, 12, 10)
+    assert torch.equal(extended.k, alone.k) and torch.equal(extended.v, alone.v)
+    # the same layer through several blocks converts each block apart
+    blocked = compress_layer(keys, values, queries, cfg, 12, 10, toy_rope, block_tokens=64)
+    assert_same_state(compress_layer(keys, values, queries, cfg, 12, 10, toy_rope, parts=parts), blocked)
 
 
 def test_layerwise_ingest_is_the_same_with_small_compression_blocks(monkeypatch):

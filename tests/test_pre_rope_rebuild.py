@@ -20,6 +20,7 @@ from s4r.core.rope import (
     chunk_rotations,
     half_angles,
     model_rope_fn,
+    rope_rows,
     rotate_dim_major,
     shifted,
 )
@@ -86,6 +87,21 @@ def test_the_angle_table_gives_the_computed_angles_and_regrows():
     moved = shifted(rope, 7000)  # a segment's positions: the offset joins the table's index
     assert all(torch.equal(a, b) for a, b in zip(half_angles(moved, positions, 5000),
                                                  half_angles(rope, positions + 7000), strict=True))
+
+
+def test_rope_rows_are_a_calls_rows_for_those_positions_and_regrow():
+    rope = rope_of(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 1024})
+    for start, end in ((0, 10), (100, 3000), (4000, 9000)):  # within the first table, then past it
+        got, want = rope_rows(rope, start, end), rope(torch.arange(start, end))
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert rope.s4r_rope_rows[0][0].shape[0] >= 9000
+    moved = shifted(rope, 700)  # a segment's rows come from a table of its own offset
+    got, want = rope_rows(moved, 5, 50), rope(torch.arange(705, 750))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    del rope.rotary  # frequencies that may change with the length: every call goes to the model
+    got, want = rope_rows(rope, 3, 8), rope(torch.arange(3, 8))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_angle_parts_compose_every_positions_angles_and_regrow():

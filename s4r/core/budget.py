@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -99,6 +100,7 @@ class RankPlan:
         return self.full_bytes / self.planned_bytes
 
 
+@lru_cache(maxsize=256)  # a document's layers ask the same (about 170 byte counts each)
 def solve_ranks(shape: KVShape, cfg: S4RConfig, tokens: int, spare_bytes: float = 0.0,
                 shared: tuple[int, int] = (0, 0)) -> RankPlan:
     """Largest ranks whose stored bytes, with a full buffer, stay within 1/ratio of the full cache.

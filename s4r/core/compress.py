@@ -9,7 +9,7 @@ import torch
 from s4r.config import S4RConfig
 from s4r.core.band_plan import plan_bands
 from s4r.core.coef_bands import Encoded, encode_coefficients
-from s4r.core.rope import RopeFn, undo_rope
+from s4r.core.rope import RopeFn, rope_rows, undo_rope
 from s4r.core.subspace import (
     coefficients,
     column_rms,
@@ -29,6 +29,8 @@ from s4r.layers.lowrank import LowRankLayer
 # last one): a product of a few rows can round differently from the whole layer's, blocks this long
 # stored the same values as the whole layer in every case checked (tests/test_layerwise_compress_blocks.py)
 COMPRESS_BLOCK = 2048
+
+Parts = tuple[torch.Tensor, torch.Tensor]  # a layer's non-sink keys and values as fp32 basis groups
 
 
 @dataclass
@@ -66,10 +68,21 @@ def compressible_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
         if rope is None:
             raise ValueError("pre-RoPE keys need the model's rotary embedding")
         # the tables of every position, then the rows: exactly the values the whole layer would use
-        cos, sin = (t[pick].float() for t in rope(torch.arange(s, total)))
+        cos, sin = (t[pick].float() for t in rope_rows(rope, s, total))
         k_rest = undo_rope(k_rest.float(), cos, sin)
     # group first, then widen to fp32: a long layer never holds two fp32 copies of its keys or values
     return to_groups(k_rest, groups).float(), to_groups(v_rest, groups).float()
+
+
+def layer_parts(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                block_tokens: int | None = None) -> Parts | None:
+    """The whole layer's `compressible_parts` where its non-sink tokens make one compression block
+    (`token_blocks`): the sample, the coefficients and the outliers then take their rows from one
+    conversion (the same values as converting those rows alone). None for a longer layer."""
+    stored = keys.shape[1] - min(cfg.sinks, keys.shape[1])
+    if len(token_blocks(stored, block_tokens or COMPRESS_BLOCK)) > 1:
+        return None
+    return compressible_parts(keys, values, cfg, rope)
 
 
 def token_blocks(n: int, block: int) -> list[slice]:
@@ -80,30 +93,39 @@ def token_blocks(n: int, block: int) -> list[slice]:
     return [slice(b, e) for b, e in zip(starts, ends, strict=True)]
 
 
-def _fit(sample: torch.Tensor, cfg: S4RConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit(sample: torch.Tensor, cfg: S4RConfig, rank: int,
+         energy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     if cfg.normalize:
         sample = normalize_rows(sample)
     basis = fit_basis(sample, rank)
+    if not energy:
+        return basis, None
     # energy captured per basis column, as a share of the sample's total (comparable across layers)
     captured = torch.matmul(sample, basis).pow(2).sum(dim=(0, 1))
     return basis, captured / sample.pow(2).sum().clamp_min(1e-12)
 
 
-def _hybrid_sample(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig,
-                   rope: RopeFn | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hybrid sample of one layer's non-sink keys and values, fp32 grouped rows (not normalized)."""
+def _hybrid_sample(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
+                   parts: Parts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hybrid sample of one layer's non-sink keys and values, fp32 grouped rows (not normalized);
+    taken from `parts` (`layer_parts`) where given."""
     stored = keys.shape[1] - min(cfg.sinks, keys.shape[1])
     idx = hybrid_sample_indices(stored, cfg.sample_tokens, cfg.recent_share).to(keys.device)
+    if parts is not None:
+        return parts[0][:, idx], parts[1][:, idx]
     # only the sampled tokens in fp32 (all of them when the sample covers the layer)
     return compressible_parts(keys, values, cfg, rope, idx)
 
 
 def fit_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
-                    rank_k: int, rank_v: int) -> LayerBases:
-    """SVD (fp32) bases on a normalized hybrid sample of the non-sink tokens of one layer."""
-    k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
-    basis_k, energy_k = _fit(k_sample, cfg, rank_k)
-    basis_v, energy_v = _fit(v_sample, cfg, rank_v)
+                    rank_k: int, rank_v: int, parts: Parts | None = None,
+                    energy: bool = True) -> LayerBases:
+    """SVD (fp32) bases on a normalized hybrid sample of the non-sink tokens of one layer (`parts`: the
+    layer's `layer_parts`, where the caller has them); with `energy`, each column's share of the sample's
+    energy too (what allocating ranks by energy reads)."""
+    k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope, parts)
+    basis_k, energy_k = _fit(k_sample, cfg, rank_k, energy)
+    basis_v, energy_v = _fit(v_sample, cfg, rank_v, energy)
     if not cfg.tails_normed:
         return LayerBases(basis_k, basis_v, energy_k, energy_v)
     return LayerBases(basis_k, basis_v, energy_k, energy_v, column_rms(k_sample, basis_k),
@@ -125,13 +147,13 @@ def _extended(sample: torch.Tensor, prefix: torch.Tensor, rank: int) -> torch.Te
 
 
 def extend_layer_bases(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
-                       prefix_k: torch.Tensor, prefix_v: torch.Tensor, rank_k: int,
-                       rank_v: int) -> LayerBases:
+                       prefix_k: torch.Tensor, prefix_v: torch.Tensor, rank_k: int, rank_v: int,
+                       parts: Parts | None = None) -> LayerBases:
     """Bases of rank `rank_k` / `rank_v` that begin with the given ones (another segment's, [G, width, p],
     stored there) and add the directions the normalized hybrid sample of these tokens needs most: an
     appended document's keys and values share most of their subspace with the first's (the model's), so
-    the new columns go to what is its own."""
-    raw_k, raw_v = _hybrid_sample(keys, values, cfg, rope)
+    the new columns go to what is its own. `parts`: as `fit_layer_bases` takes them."""
+    raw_k, raw_v = _hybrid_sample(keys, values, cfg, rope, parts)
     k_sample, v_sample = (normalize_rows(raw_k), normalize_rows(raw_v)) if cfg.normalize else (raw_k, raw_v)
     basis_k = _extended(k_sample, prefix_k.float(), rank_k)
     basis_v = _extended(v_sample, prefix_v.float(), rank_v)
@@ -229,21 +251,25 @@ def _store_rows(dest: list[torch.Tensor | None], parts: Encoded, rows: slice, n:
 
 def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope: RopeFn | None,
                  basis_k: torch.Tensor, basis_v: torch.Tensor, block_tokens: int | None = None,
-                 score_residuals: bool = False) -> tuple[Encoded, Encoded, torch.Tensor | None]:
+                 score_residuals: bool = False, parts: Parts | None = None
+                 ) -> tuple[Encoded, Encoded, torch.Tensor | None]:
     """Stored coefficients of the non-sink tokens of one layer (see `encode_coefficients`) for keys and
     values, and with `score_residuals` each token's relative residual summed over K and V [N].
 
     Works through `block_tokens` (default `COMPRESS_BLOCK`) tokens at a time, so the fp32 copies of the
     keys/values and of their coefficients exist for one block only; every step is per token, so the
-    result is that of the whole layer at once.
+    result is that of the whole layer at once. `parts`: the layer's `layer_parts` (one block), where
+    the caller has them.
     """
     n = keys.shape[1] - min(cfg.sinks, keys.shape[1])
     dtype = keys.dtype
     enc_k: list[torch.Tensor | None] = [None] * 4
     enc_v: list[torch.Tensor | None] = [None] * 4
     worst = torch.empty(n, device=keys.device) if score_residuals else None
-    for rows in token_blocks(n, block_tokens or COMPRESS_BLOCK):
-        k_groups, v_groups = compressible_parts(keys, values, cfg, rope, rows)
+    blocks = token_blocks(n, block_tokens or COMPRESS_BLOCK)
+    for rows in blocks:
+        whole = parts is not None and len(blocks) == 1
+        k_groups, v_groups = parts if whole else compressible_parts(keys, values, cfg, rope, rows)
         scaled = cfg.tails_normed
         proj_k, proj_v = coefficients(k_groups, basis_k, scaled), coefficients(v_groups, basis_v, scaled)
         _store_rows(enc_k, encode_coefficients(proj_k, cfg, dtype), rows, n)
@@ -257,24 +283,28 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope:
 def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, cfg: S4RConfig,
                    rank_k: int, rank_v: int, rope: RopeFn | None,
                    bases: LayerBases | None = None, block_tokens: int | None = None,
-                   shared: tuple[int, int] = (0, 0)) -> LowRankLayer:
+                   shared: tuple[int, int] = (0, 0),
+                   parts: Parts | None = None) -> LowRankLayer:
     """S4R compression of one layer.
 
     keys/values: [H, T, d] post-RoPE (as the model produced them); queries: [Hq, W, d] post-RoPE, the
     last W queries of the prompt. Keeps the first `cfg.sinks` tokens as they are, fits rank_k/rank_v
     bases (unless `bases` are given: precomputed or offline ones, truncated to the ranks) and stores
     the coefficients of every non-sink token, `block_tokens` tokens at a time (see `encode_layer`).
-    `shared` (key, value): leading basis columns another segment stores, kept as they are.
+    `shared` (key, value): leading basis columns another segment stores, kept as they are. `parts`: the
+    layer's `layer_parts`, where the caller has them (computed here otherwise).
     """
     heads, total, _ = keys.shape
     dtype = keys.dtype
     s = min(cfg.sinks, total)
+    if parts is None:
+        parts = layer_parts(keys, values, cfg, rope, block_tokens)
     if bases is None:
-        bases = fit_layer_bases(keys, values, cfg, rope, rank_k, rank_v)
+        bases = fit_layer_bases(keys, values, cfg, rope, rank_k, rank_v, parts, energy=False)
     basis_k, basis_v = (b.float() for b in (bases.k[..., :rank_k], bases.v[..., :rank_v]))
     if cfg.tails_normed:
         if bases.rms_k is None or bases.rms_v is None:  # bases fitted elsewhere (offline, calibrated)
-            k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope)
+            k_sample, v_sample = _hybrid_sample(keys, values, cfg, rope, parts)
             bases = replace(bases, rms_k=column_rms(k_sample, basis_k), rms_v=column_rms(v_sample, basis_v))
             del k_sample, v_sample
         lead_k = max(plan_bands(rank_k, cfg.band_spec()).lead, shared[0])
@@ -286,13 +316,13 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     by_attention = n_out > 0 and cfg.outlier_score == "attention" and has_queries
     score_residuals = n_out > 0 and not by_attention
     (coef_k, scale_k, tail_k, tail_step_k), (coef_v, scale_v, tail_v, tail_step_v), worst = encode_layer(
-        keys, values, cfg, rope, basis_k, basis_v, block_tokens, score_residuals)
+        keys, values, cfg, rope, basis_k, basis_v, block_tokens, score_residuals, parts)
 
     out_idx = out_k = out_v = None
     if n_out:
         if by_attention:
             # post-RoPE keys for the logits whatever the basis space; the error itself is measured there
-            k_groups, v_groups = compressible_parts(keys, values, cfg, rope)
+            k_groups, v_groups = parts or compressible_parts(keys, values, cfg, rope)
             worst = attention_effect(k_groups, v_groups, unit_columns(basis_k), unit_columns(basis_v), keys,
                                      queries[:, -cfg.query_window :], cfg.key_space == "post_rope")
             del k_groups, v_groups
@@ -305,7 +335,7 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
         q = queries.float()
         w = q.shape[1]
         if cfg.key_space == "pre_rope":
-            q = undo_rope(q, *(t.float() for t in rope(torch.arange(total - w, total))))
+            q = undo_rope(q, *(t.float() for t in rope_rows(rope, total - w, total)))
         q = q[:, -cfg.query_window :]
         n_rep = q.shape[0] // heads
         query_coef = project_queries(q.reshape(heads, n_rep * q.shape[1], -1), basis_k)

@@ -72,6 +72,25 @@ def shifted(rope: RopeFn | None, offset: int) -> RopeFn | None:
     return moved
 
 
+def rope_rows(rope: RopeFn, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope(torch.arange(start, end))`: (cos, sin) [end - start, d] in the model's dtype. Where the
+    frequencies are static (`model_rope_fn` found them) these are rows of one table of positions 0.. kept
+    on the model's rope function (per segment offset, regrown by doubling): compressing a document asks
+    for the same positions in every layer. Rows are computed position by position, so they are the
+    values a call for these positions alone gives."""
+    if getattr(rope, "rotary", None) is None:
+        return rope(torch.arange(start, end))
+    holder, offset = getattr(rope, "base", rope), getattr(rope, "offset", 0)
+    tables = getattr(holder, "s4r_rope_rows", None)
+    if tables is None or len(tables) > 16:  # one table per segment offset
+        tables = holder.s4r_rope_rows = {}
+    kept = tables.get(offset)
+    if kept is None or kept[0].shape[0] < end:
+        cos, sin = rope(torch.arange(max(4096, 1 << int(end - 1).bit_length())))
+        kept = tables[offset] = (cos, sin)
+    return kept[0][start:end], kept[1][start:end]
+
+
 def half_angles(rope: RopeFn, positions: torch.Tensor,
                 upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (cos, sin) [d/2, n] of `positions`, dimension-major: RoPE rotates the pair (i, i + d/2) by

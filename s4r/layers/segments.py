@@ -26,7 +26,7 @@ import torch
 
 from s4r.config import S4RConfig
 from s4r.core.budget import KVShape, solve_ranks
-from s4r.core.compress import compress_layer, extend_layer_bases
+from s4r.core.compress import compress_layer, extend_layer_bases, layer_parts
 from s4r.core.latent import merge_partial_attention
 from s4r.core.rope import shifted
 from s4r.errors import BudgetError
@@ -232,10 +232,11 @@ def new_segment(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, shape:
         # an extension adds columns: with none to add (fixed ranks, a tight budget) it would be a fold
         if (plan is not None and plan.rank_k >= shared[0] and plan.rank_v >= shared[1]
                 and plan.rank_k + plan.rank_v > sum(shared)):
+            parts = layer_parts(keys, values, seg_cfg, rope)  # the fit and the encoding share them
             bases = extend_layer_bases(keys, values, seg_cfg, rope, before.basis_k, before.basis_v,
-                                       plan.rank_k, plan.rank_v)
+                                       plan.rank_k, plan.rank_v, parts)
             segment = compress_layer(keys, values, None, seg_cfg, plan.rank_k, plan.rank_v, rope, bases=bases,
-                                     shared=shared)
+                                     shared=shared, parts=parts)
             segment.shared_k, segment.shared_v = shared
             return segment
     plan = solve_ranks(shape, seg_cfg, n, spare_bytes)
