@@ -75,20 +75,16 @@ def shifted(rope: RopeFn | None, offset: int) -> RopeFn | None:
 def rope_rows(rope: RopeFn, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope(torch.arange(start, end))`: (cos, sin) [end - start, d] in the model's dtype. Where the
     frequencies are static (`model_rope_fn` found them) these are rows of one table of positions 0.. kept
-    on the model's rope function (per segment offset, regrown by doubling): compressing a document asks
-    for the same positions in every layer. Rows are computed position by position, so they are the
-    values a call for these positions alone gives."""
+    on the model's rope function (a segment's rows sit at its offset; regrown by doubling): compressing a
+    document asks for the same positions in every layer and block. Rows are computed position by
+    position, so they are the values a call for these positions alone gives."""
     if getattr(rope, "rotary", None) is None:
         return rope(torch.arange(start, end))
-    holder, offset = getattr(rope, "base", rope), getattr(rope, "offset", 0)
-    tables = getattr(holder, "s4r_rope_rows", None)
-    if tables is None or len(tables) > 16:  # one table per segment offset
-        tables = holder.s4r_rope_rows = {}
-    kept = tables.get(offset)
-    if kept is None or kept[0].shape[0] < end:
-        cos, sin = rope(torch.arange(max(4096, 1 << int(end - 1).bit_length())))
-        kept = tables[offset] = (cos, sin)
-    return kept[0][start:end], kept[1][start:end]
+    base, offset = getattr(rope, "base", rope), getattr(rope, "offset", 0)
+    kept = getattr(base, "s4r_rope_rows", None)
+    if kept is None or kept[0].shape[0] < offset + end:
+        kept = base.s4r_rope_rows = base(torch.arange(max(4096, 1 << int(offset + end - 1).bit_length())))
+    return kept[0][offset + start : offset + end], kept[1][offset + start : offset + end]
 
 
 def half_angles(rope: RopeFn, positions: torch.Tensor,
