@@ -121,11 +121,11 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
-    # a step of at least this many queries (an appended document's 256-token blocks) attends every stored
-    # token, each rebuilt once for all its rows (`s4r.layers.lowrank_dense`); a shorter one (a question's
-    # prompt) shares one selection, scored by its last `query_window` queries. 0: always a selection; 2:
-    # prompts attend every token too, slower, with answers no measurably better (docs/design.md, "Blocks
-    # of queries")
+    # a step of at least this many queries (an appended document's 256-token blocks; its last, shorter block
+    # too) attends every stored token, each rebuilt once for all its rows (`s4r.layers.lowrank_dense`); a
+    # shorter one (a question's prompt) shares one selection, scored by its last `query_window` queries.
+    # 0: always a selection; 2: prompts attend every token too, slower, with answers no measurably better
+    # (docs/design.md, "Blocks of queries")
     dense_queries: int = 129
     # how stored tokens are scored for selection, from each query's (and query head's) own attention
     # probabilities: "query" those of the current queries only; "max" / "mean" aggregate them over

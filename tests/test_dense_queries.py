@@ -206,6 +206,22 @@ def test_short_blocks_and_single_tokens_select():
     assert not lowrank_dense.attends_every_token(replace_cfg(layer, scoring="max"), 10**6)
 
 
+def test_every_block_of_a_document_being_read_attends_every_token():
+    """An appended document's last, shorter block attends every stored token as its earlier blocks did;
+    once the document is settled a short block (a question's prompt) selects again."""
+    cfg = replace(CONFIGS["pre-rope"], dense_queries=S4RConfig().dense_queries)
+    layer = compressed(cfg)
+    layer.collecting = True
+    assert lowrank_dense.attends_every_token(layer, 1)
+    out = attend_block(layer, *block(torch.float32, q_len=5))
+    assert layer.selected.shape[-1] == layer._n and torch.isfinite(out).all()
+    layer.collecting = False
+    attend_block(layer, *block(torch.float32, q_len=5, seed=4))
+    assert layer.selected.shape[-1] < layer._n
+    layer.collecting = True  # `dense_queries=0`: every block selects, a document's too
+    assert not lowrank_dense.attends_every_token(replace_cfg(layer, dense_queries=0), 10**6)
+
+
 def replace_cfg(layer, **changes):
     layer.cfg = replace(layer.cfg, **changes)
     return layer

@@ -35,10 +35,14 @@ from s4r.kernels.sparse_attention import (
 
 
 def attends_every_token(layer, q_len: int) -> bool:
-    """Whether a step of `q_len` queries attends every stored token of `layer` (`dense_queries`). Only
-    per-query scoring keeps no state that the skipped scoring would have updated."""
+    """Whether a step of `q_len` queries attends every stored token of `layer`: one of at least
+    `dense_queries` queries, and every block of a document being read (`collecting`), its last, shorter one
+    too, which reuses the tokens the earlier blocks rebuilt. Only per-query scoring keeps no state that the
+    skipped scoring would have updated; `dense_queries=0` always selects."""
     cfg = layer.cfg
-    return cfg.scoring == "query" and 0 < cfg.dense_queries <= q_len
+    if cfg.scoring != "query" or cfg.dense_queries == 0:
+        return False
+    return cfg.dense_queries <= q_len or layer.collecting
 
 
 def decoded_rows(lead: torch.Tensor, scale: torch.Tensor | None, codes: torch.Tensor | None,
