@@ -5,7 +5,7 @@ and values once for all its rows, so the rebuild's cost is shared, while a selec
 row with the tokens its last `query_window` queries chose. Here the layer's tokens are laid out as the
 exact cache holds them (sinks, rebuilt tokens with the outliers' exact rows in place, buffer) and the
 block runs the exact cache's attention over them (`causal_attention`). `S4RConfig.dense_queries` says
-from how many queries a step does this.
+from how many queries a step does this; every block of a document being read does.
 
 On a CPU with the fused kernels the rebuild is `rebuild_fused` (the decode step's `decode_rows` given
 every token, one basis product per head written into the key and value buffers, pre-RoPE keys rotated
