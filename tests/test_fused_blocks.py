@@ -53,7 +53,7 @@ def test_a_block_over_segments_is_the_eager_block(key_space):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_block_over_a_long_buffer_is_the_eager_block(dtype):
-    """A document's last, partial block: hundreds of its own tokens still exact in the buffer, whose
+    """A document's block through the selection: hundreds of its own tokens still exact in the buffer, whose
     logits and values the fused step takes as products (`EXACT_PRODUCT`)."""
     from s4r.kernels.query_blocks import EXACT_PRODUCT
 

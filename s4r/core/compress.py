@@ -267,8 +267,8 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, cfg: S4RConfig, rope:
     enc_v: list[torch.Tensor | None] = [None] * 4
     worst = torch.empty(n, device=keys.device) if score_residuals else None
     blocks = token_blocks(n, block_tokens or COMPRESS_BLOCK)
+    whole = parts is not None and len(blocks) == 1  # `parts` covers one block only
     for rows in blocks:
-        whole = parts is not None and len(blocks) == 1
         k_groups, v_groups = parts if whole else compressible_parts(keys, values, cfg, rope, rows)
         scaled = cfg.tails_normed
         proj_k, proj_v = coefficients(k_groups, basis_k, scaled), coefficients(v_groups, basis_v, scaled)

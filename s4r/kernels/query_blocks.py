@@ -15,8 +15,8 @@ import torch
 from s4r.kernels.jit import as_f32, compose_angles, fine_shift, inline, kernel
 
 PRODUCT_ROWS = 16  # query rows per KV head from which logits and value rows are matrix products
-# exact tokens from which a block's exact logits and values are products too: a document's last, partial
-# block attends the document's own tokens, still exact in the buffer
+# exact tokens from which a block's exact logits and values are products too: a document's blocks through the
+# selection (`dense_queries=0`) attend the document's own tokens, still exact in the buffer
 EXACT_PRODUCT = 256
 
 

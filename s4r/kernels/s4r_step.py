@@ -241,7 +241,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
         products = exact_products(rows, e)
-        if products:  # a document's last block: its own tokens, still in the buffer
+        if products:  # a document's block through the selection: its own tokens, still in the buffer
             exact_logits_product(q, v.ek, e, scaling, el, scratch.get("exact_keys", (heads, e, d)))
         else:
             exact_logits(q, v.ek, e, scaling, el)
