@@ -1,5 +1,5 @@
 """Rebuilding pre-RoPE keys by one int8 product: plain tensor functions, the reference of the fused step's
-`decode_rows_int8` and `torch._int_mm` (`s4r.kernels.s4r_step`).
+`decode_rows_int8` and `torch._int_mm` or `vnni_key_logits` (`s4r.kernels.s4r_step`).
 
 A token's coefficients become one int8 row on its lead band's step: the lead band's codes as stored (they
 are that step's multiples), the lower bands rounded to it. The basis is int8 with one scale per key

@@ -1,5 +1,6 @@
 """numba plumbing the kernels share: availability (one line logged, once), the compile decorator, bit casts,
-bf16 widening/rounding, a vectorizable exp, a row maximum and rotary angles composed from two tables.
+bf16 widening/rounding, a vectorizable exp, a row maximum, rotary angles composed from two tables and the
+query's logits on rebuilt keys turned by them.
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
@@ -209,3 +210,35 @@ def compose_angles(p, coarse, fine, shift, half, ang):
         ca, sa, cb, sb = a[i], a[half + i], b[i], b[half + i]
         ang[i] = ca * cb - sa * sb
         ang[half + i] = sa * cb + ca * sb
+
+
+@inline
+def rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half):
+    """`rotated_key_logits` with the head size's half a constant (the kernels' common sizes: 32, 64)."""
+    heads, rows = q.shape[0], q.shape[1]
+    d = 2 * half
+    shift = fine_shift(fine)
+    shared = keys.shape[0] == 1
+    scaled = col_scale.shape[1] > 0
+    ang = np.empty(d, np.float32)
+    rot = np.empty(d, np.float32)
+    for j in range(k):
+        compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
+        for h in range(heads):
+            g = 0 if shared else h
+            base = h * d if shared else 0
+            for i in range(half):
+                x1 = as_f32(keys[g, j, base + i])
+                x2 = as_f32(keys[g, j, base + half + i])
+                if scaled:
+                    x1 *= col_scale[g, base + i]
+                    x2 *= col_scale[g, base + half + i]
+                c, s = ang[i], ang[half + i]
+                rot[i] = x1 * c - x2 * s
+                rot[half + i] = x2 * c + x1 * s
+            factor = np.float32(scaling) * row_scale[g, j] if scaled else np.float32(scaling)
+            for m in range(rows):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += q[h, m, i] * rot[i]
+                out[h * rows + m, j] = acc * factor

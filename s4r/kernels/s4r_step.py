@@ -16,7 +16,7 @@ import torch
 from s4r.core.int8_rebuild import int8_basis
 from s4r.core.rope import ANGLE_STEP, angle_parts, chunk_rotations, last_answer
 from s4r.core.subspace import head_blocks
-from s4r.kernels import jit
+from s4r.kernels import jit, vnni_keys
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
     combine_normalisers,
@@ -113,9 +113,12 @@ class _Views:
         self.bits_v, self.widths_v = band_arrays(layer, keys=False)
         self.int8 = layer.rebuild_int8
         self.blocks_k = head_blocks(layer.basis_k, layer.heads).float().transpose(1, 2).contiguous().numpy()
+        self.packed = self.start = None  # the basis as `vnni_key_logits` reads it, where that kernel runs
         if self.int8:  # codes [G, W, rk] with a scale per key dimension, as `int8_basis` quantizes
             codes, scale = int8_basis(layer.basis_k)
             rebuild, self.col_scale = codes.transpose(1, 2).contiguous(), scale[..., 0].contiguous().numpy()
+            if rebuild.shape[2] % 16 == 0 and vnni_keys.available():
+                self.packed, self.start = vnni_keys.pack_basis(rebuild)
         else:
             # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in
             # fp32 where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)
@@ -304,14 +307,20 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         pos0 = seg.sinks + v.offset
         coarse, fine = v.angle_parts(pos0 + seg._n)
         if v.int8:  # every selected row decoded at once, then one int8 product and rotation per block
-            coefs, coefs_np = scratch.view("coefs", (groups, sel.shape[1], rk), torch.int8)
+            vnni = v.packed is not None and rows <= PRODUCT_ROWS  # or the tiles of `vnni_key_logits`
+            cols = 4 * v.packed.shape[1] if vnni else rk  # it reads each row's codes by whole words
+            coefs, coefs_np = scratch.view("coefs", (groups, sel.shape[1], cols), torch.int8)
             row_scale = scratch.np("row_scale", (groups, sel.shape[1]))
-            decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np, row_scale)
-            per_group = [coefs[g] for g in range(groups)]
-            for start, end, pad in _blocks(k, BLOCK):
+            decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np[..., :rk],
+                             row_scale)
+            if vnni:
+                tile = scratch.np("key_tile", (groups, vnni_keys.TILE, width), torch.int32)
+                vnni_keys.vnni_key_logits(q, coefs_np, v.packed, v.start, idx, k, pos0, coarse, fine, scaling,
+                                          v.col_scale, row_scale, sel, tile)
+            for start, end, pad in _blocks(0 if vnni else k, BLOCK):
                 sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
-                    torch._int_mm(per_group[g][start : start + pad], v.rebuild_g[g], out=sums[g])
+                    torch._int_mm(coefs[g, start : start + pad], v.rebuild_g[g], out=sums[g])
                 _key_logits(q, keys_np, idx[start:end], pos0, coarse, fine, scaling, v.col_scale,
                             row_scale[:, start:end], sel[:, start:end], scratch)
         else:

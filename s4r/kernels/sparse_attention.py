@@ -3,11 +3,11 @@
 Reference: `LatentSelection.selected_logits` (pre-RoPE keys: `_model_dtype_key_logits` /
 `_rebuilt_key_logits`; post-RoPE keys: latent logits plus `PlanarTail.logits`) and
 `LowRankLayer.attend_chosen` with `s4r.core.latent.merged_attention`. Keys are rebuilt only for the
-selected tokens (their coefficients decoded here, the basis product left to one BLAS/oneDNN call) and
-rotated to their positions; the softmax runs once over sinks + outliers + buffer + selected tokens;
-values are combined in the latent space (probability-weighted coefficient rows, one product with the
-value basis at the end). A block of queries that attends every stored token rebuilds them all with
-`decode_rows` and `rotate_rows` (`s4r.layers.lowrank_dense`).
+selected tokens (their coefficients decoded here, the basis product left to one BLAS/oneDNN call or to
+`vnni_keys`) and rotated to their positions; the softmax runs once over sinks + outliers + buffer +
+selected tokens; values are combined in the latent space (probability-weighted coefficient rows, one
+product with the value basis at the end). A block of queries that attends every stored token rebuilds
+them all with `decode_rows` and `rotate_rows` (`s4r.layers.lowrank_dense`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from s4r.kernels.jit import (
     LANES,
     as_f32,
     as_numpy,
-    compose_angles,
     fast_exp,
-    fine_shift,
     inline,
     kernel,
     largest,
     numba,
+    rotated_logits,
 )
 
 if numba is not None:
@@ -246,37 +245,6 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
 
 
 @inline
-def _rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half):
-    heads, rows = q.shape[0], q.shape[1]
-    d = 2 * half
-    shift = fine_shift(fine)
-    shared = keys.shape[0] == 1
-    scaled = col_scale.shape[1] > 0
-    ang = np.empty(d, np.float32)
-    rot = np.empty(d, np.float32)
-    for j in range(k):
-        compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
-        for h in range(heads):
-            g = 0 if shared else h
-            base = h * d if shared else 0
-            for i in range(half):
-                x1 = as_f32(keys[g, j, base + i])
-                x2 = as_f32(keys[g, j, base + half + i])
-                if scaled:
-                    x1 *= col_scale[g, base + i]
-                    x2 *= col_scale[g, base + half + i]
-                c, s = ang[i], ang[half + i]
-                rot[i] = x1 * c - x2 * s
-                rot[half + i] = x2 * c + x1 * s
-            factor = np.float32(scaling) * row_scale[g, j] if scaled else np.float32(scaling)
-            for m in range(rows):
-                acc = np.float32(0.0)
-                for i in range(d):
-                    acc += q[h, m, i] * rot[i]
-                out[h * rows + m, j] = acc * factor
-
-
-@inline
 def _add_value_basis(z, basis, out, d):
     heads, rows = out.shape[0], out.shape[1]
     for h in range(heads):
@@ -313,11 +281,11 @@ def rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, 
     # the common head sizes get loops of a known trip count, which LLVM vectorizes whole (the same loops
     # with the count known only at run time ran slower)
     if half == 32:
-        _rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 32)
+        rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 32)
     elif half == 64:
-        _rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 64)
+        rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 64)
     else:
-        _rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half)
+        rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half)
 
 
 @kernel

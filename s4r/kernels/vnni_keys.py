@@ -1,0 +1,180 @@
+"""The selected pre-RoPE keys rebuilt by int8 dot-product instructions (AVX512-VNNI) and dotted with the
+query rows a tile of tokens at a time (numba, CPU).
+
+Reference: one `torch._int_mm` of the decoded int8 rows with the basis codes, then `rotated_key_logits`
+(the step's path where this one does not apply). The integer sums are the same (exact both ways) and so are
+the rotation and the dots; a tile's sums stay in L1 where the product writes a [k, W] int32 buffer (1.5 MB
+for 2,048 tokens of SmolLM2) that the rotation reads back.
+
+VNNI multiplies unsigned bytes by signed ones: each token's codes are offset by 128 (their top bit
+flipped) and each column's sums start from -128 times the column's codes summed, which cancels the
+offset exactly. The instruction is emitted through an LLVM intrinsic, so it needs no C compiler either;
+`available` keeps it off CPUs without it (LLVM would abort, not raise, compiling it there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from s4r.kernels import jit
+from s4r.kernels.jit import inline, kernel, numba, rotated_logits
+
+TILE = 16  # tokens whose sums stay in L1 between the product and the rotation
+COLUMNS = 64  # sum columns per instruction run: four 16-lane accumulators for each of two tokens
+
+_state: dict = {}
+
+
+def available() -> bool:
+    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-VNNI (a target named
+    through NUMBA_CPU_NAME or NUMBA_CPU_FEATURES may lack it: then never)."""
+    if "vnni" not in _state:
+        ok = False
+        named = os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES")
+        if numba is not None and not named:
+            from llvmlite import binding
+
+            try:
+                features = binding.get_host_cpu_features()
+                ok = all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+            except RuntimeError:  # no feature list on this host
+                ok = False
+        _state["vnni"] = ok
+    return _state["vnni"] and jit.available()
+
+
+def pack_basis(codes: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 basis codes [G, r, W] (`int8_basis`, transposed) as the kernel reads them: packed [G,
+    ceil(r / 4), W, 4] (four consecutive ranks of a column side by side; ranks past r zero) and the sums'
+    starting values [G, W] (int32, -128 times each column's codes summed)."""
+    groups, rank, width = codes.shape
+    quads = -(-rank // 4)
+    padded = torch.zeros(groups, 4 * quads, width, dtype=torch.int8)
+    padded[:, :rank] = codes
+    packed = padded.view(groups, quads, 4, width).transpose(2, 3).contiguous().numpy()
+    start = (codes.sum(1, dtype=torch.int32) * -128).contiguous().numpy()
+    return packed, start
+
+
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    def _sums_codegen(lanes: int):
+        """LLVM IR of `_sums_two_tokens` over 16 * lanes columns."""
+
+        def codegen(context, builder, signature, args):
+            a, b, basis, stride, quads, out_a, out_b, start = args
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            vec = ir.VectorType(i32, 16)
+            dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+
+            def at(addr, offset, kind):
+                return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
+
+            def codes(addr, q):  # the token's four codes of quad q, top bits flipped, in every lane
+                word = builder.load(at(addr, builder.mul(q, ir.Constant(i64, 4)), i32), align=1)
+                word = builder.xor(word, ir.Constant(i32, -0x7F7F7F80))  # 0x80808080
+                one = builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(vec, [0] * 16))
+
+            first = [builder.load(at(start, ir.Constant(i64, 64 * i), vec), align=4) for i in range(lanes)]
+            entry = builder.block
+            loop, done = builder.append_basic_block("quads"), builder.append_basic_block("quads_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            q = builder.phi(i64)
+            q.add_incoming(ir.Constant(i64, 0), entry)
+            acc = []
+            for i in range(2 * lanes):
+                phi = builder.phi(vec)
+                phi.add_incoming(first[i % lanes], entry)
+                acc.append(phi)
+            code_a, code_b = codes(a, q), codes(b, q)
+            row = builder.add(basis, builder.mul(q, stride))
+            new = [None] * (2 * lanes)
+            for i in range(lanes):
+                column = builder.load(at(row, ir.Constant(i64, 64 * i), vec), align=1)
+                new[i] = builder.call(dpbusd, [acc[i], code_a, column])
+                new[lanes + i] = builder.call(dpbusd, [acc[lanes + i], code_b, column])
+            nxt = builder.add(q, ir.Constant(i64, 1))
+            body = builder.block
+            q.add_incoming(nxt, body)
+            for i in range(2 * lanes):
+                acc[i].add_incoming(new[i], body)
+            builder.cbranch(builder.icmp_signed("<", nxt, quads), loop, done)
+            builder.position_at_end(done)
+            for i in range(lanes):
+                builder.store(new[i], at(out_a, ir.Constant(i64, 64 * i), vec), align=4)
+                builder.store(new[lanes + i], at(out_b, ir.Constant(i64, 64 * i), vec), align=4)
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def _sums_two_tokens(typingctx, a, b, basis, stride, quads, out_a, out_b, start):
+        """out_a, out_b [COLUMNS] int32 = start + the int8 codes at addresses a, b (4 * quads bytes each)
+        dotted with the packed basis columns at `basis` (quad q at basis + q * stride) by `vpdpbusd`, the
+        accumulators in registers through the loop over quads (quads >= 1)."""
+        return types.void(*([types.intp] * 8)), _sums_codegen(COLUMNS // 16)
+
+    @intrinsic
+    def _sums_two_tokens_16(typingctx, a, b, basis, stride, quads, out_a, out_b, start):
+        """`_sums_two_tokens` over 16 columns (a width's last ones)."""
+        return types.void(*([types.intp] * 8)), _sums_codegen(1)
+else:  # pragma: no cover
+    def _sums_two_tokens(*args):
+        raise RuntimeError("numba is not available")
+
+    _sums_two_tokens_16 = _sums_two_tokens
+
+
+@inline
+def _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
+                tile, half):
+    groups, quads, width = packed.shape[0], packed.shape[1], packed.shape[2]
+    stride, row = 4 * width, codes.shape[2]
+    for j0 in range(0, k, TILE):
+        j1 = min(j0 + TILE, k)
+        for g in range(groups):
+            src, basis, first, dst = codes[g].ctypes.data, packed[g].ctypes.data, start[g].ctypes.data, \
+                tile[g].ctypes.data
+            for j in range(j0, j1, 2):
+                j2 = min(j + 1, j1 - 1)  # an odd last token is computed twice
+                wide = width - width % COLUMNS
+                for c0 in range(0, wide, COLUMNS):
+                    _sums_two_tokens(src + j * row, src + j2 * row, basis + 4 * c0, stride, quads,
+                                     dst + 4 * ((j - j0) * width + c0), dst + 4 * ((j2 - j0) * width + c0),
+                                     first + 4 * c0)
+                for c0 in range(wide, width, 16):
+                    _sums_two_tokens_16(src + j * row, src + j2 * row, basis + 4 * c0, stride, quads,
+                                        dst + 4 * ((j - j0) * width + c0), dst + 4 * ((j2 - j0) * width + c0),
+                                        first + 4 * c0)
+        rotated_logits(q, tile, idx[j0:j1], j1 - j0, pos0, coarse, fine, scaling, col_scale,
+                       row_scale[:, j0:j1], out[:, j0:j1], half)
+
+
+@kernel
+def vnni_key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
+                    tile):
+    """Logits out[r, j] of the query rows q [H, M, d] on the keys of the tokens idx[:k] rebuilt from their
+    int8 rows codes [B, >=k, 4 * quads] (`decode_rows_int8`; the bytes past the rank are read and cancel
+    against the packed basis' zeros) and the packed basis (`pack_basis`: packed [B, quads, W, 4], start
+    [B, W]; W a multiple of 16), scaled by col_scale [B, W] and row_scale [B, >=k] and rotated to their
+    positions idx[j] + pos0 as `rotated_key_logits` does. tile: int32 scratch [B, TILE, W]."""
+    half = q.shape[2] // 2
+    if half == 32:  # loops of a known trip count vectorize whole (as `rotated_key_logits`)
+        _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
+                    tile, 32)
+    elif half == 64:
+        _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
+                    tile, 64)
+    else:
+        _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
+                    tile, half)
