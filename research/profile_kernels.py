@@ -28,8 +28,8 @@ from s4r.kernels import s4r_step
 
 KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "normaliser",
            "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows", "decode_rows_int8",
-           "rotated_key_logits", "latent_key_logits", "softmax_exact_values", "weighted_value_rows",
-           "add_value_basis")
+           "rotated_key_logits", "vnni_key_logits", "latent_key_logits", "softmax_exact_values",
+           "weighted_value_rows", "add_value_basis")
 
 
 def clocked(times: dict[str, float], name: str, fn):

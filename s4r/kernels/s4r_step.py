@@ -54,6 +54,7 @@ from s4r.kernels.sparse_attention import (
     weighted_value_rows,
 )
 from s4r.kernels.token_selection import choose_tokens
+from s4r.kernels.vnni_keys import vnni_key_logits
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
 BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
@@ -315,8 +316,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
                              row_scale)
             if vnni:
                 tile = scratch.np("key_tile", (groups, vnni_keys.TILE, width), torch.int32)
-                vnni_keys.vnni_key_logits(q, coefs_np, v.packed, v.start, idx, k, pos0, coarse, fine, scaling,
-                                          v.col_scale, row_scale, sel, tile)
+                vnni_key_logits(q, coefs_np, v.packed, v.start, idx, k, pos0, coarse, fine, scaling,
+                                v.col_scale, row_scale, sel, tile)
             for start, end, pad in _blocks(0 if vnni else k, BLOCK):
                 sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
