@@ -15,6 +15,8 @@ HIGH_RATIO = 5.0
 HIGH_RATIO_VALUE_BANDS = "8:1,2:22"
 KEY_SHARE = 0.4
 HIGH_RATIO_KEY_SHARE = 0.35
+# the most stored tokens a pre-RoPE step rebuilds where `recon_token_cap` is unset, at every ratio
+REBUILD_TOKENS = 2048
 
 KeySpace = Literal["post_rope", "pre_rope"]
 Granularity = Literal["head", "layer"]
@@ -104,11 +106,10 @@ class S4RConfig:
     # None: twice the storage fraction, 2/ratio, at most every token (0.4 at ratio 5, 0.8 at 2.5; past
     # HIGH_RATIO it stays at that ratio's, see below)
     recon_max: float | None = None
-    # at most this many stored tokens rebuilt per step, whatever the fractions above give; None: 10,240/ratio
-    # (2,048 at ratio 5, 4,096 at 2.5; past HIGH_RATIO it stays at 2,048), 0: no limit. A pre-RoPE
-    # step's work grows with the tokens it rebuilds, so a share of a long context would cost more than
-    # attending all of it exactly; ShadowKV keeps a fixed token budget too (docs/design.md, "How many
-    # tokens a step rebuilds")
+    # at most this many stored tokens rebuilt per step, whatever the fractions above give; None:
+    # REBUILD_TOKENS at every ratio, 0: no limit. A pre-RoPE step's work grows with the tokens it rebuilds,
+    # so a share of a long context would cost more than attending all of it exactly; ShadowKV keeps a fixed
+    # token budget too (docs/design.md, "How many tokens a step rebuilds")
     recon_token_cap: int | None = None
     # the dtype a pre-RoPE step rebuilds the selected keys in: "model" (a bf16 model's bf16, or the model's
     # dtype on a GPU: one product over the decoded coefficients, keys rounded as the model's own are;
@@ -295,7 +296,7 @@ class S4RConfig:
     def token_cap(self) -> int | None:
         """The most stored tokens a step rebuilds (`recon_token_cap`), or None for no limit."""
         if self.recon_token_cap is None:
-            return round(10240 / self._budget_ratio) if self.ratio else None
+            return REBUILD_TOKENS if self.ratio else None
         return self.recon_token_cap or None
 
     def reconstruct_count(self, stored_tokens: int) -> int:
