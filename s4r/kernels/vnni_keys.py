@@ -23,7 +23,8 @@ from s4r.kernels import jit
 from s4r.kernels.jit import inline, kernel, numba, rotated_logits
 
 TILE = 16  # tokens whose sums stay in L1 between the product and the rotation
-COLUMNS = 64  # sum columns per instruction run: four 16-lane accumulators for each of two tokens
+TOKENS = 4  # tokens an instruction run takes at once: each basis load serves four
+COLUMNS = 64  # sum columns per instruction run: four 16-lane accumulators for each of its tokens
 
 _state: dict = {}
 
@@ -66,10 +67,10 @@ if numba is not None:
     from numba.extending import intrinsic
 
     def _sums_codegen(lanes: int):
-        """LLVM IR of `_sums_two_tokens` over 16 * lanes columns."""
+        """LLVM IR of `_sums_four_tokens` over 16 * lanes columns."""
 
         def codegen(context, builder, signature, args):
-            a, b, basis, stride, quads, out_a, out_b, start = args
+            src, row, basis, stride, quads, dst, dst_row, start = args
             i32, i64 = ir.IntType(32), ir.IntType(64)
             vec = ir.VectorType(i32, 16)
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
@@ -78,9 +79,10 @@ if numba is not None:
             def at(addr, offset, kind):
                 return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
 
-            def codes(addr, q):  # the token's four codes of quad q, top bits flipped, in every lane
-                word = builder.load(at(addr, builder.mul(q, ir.Constant(i64, 4)), i32), align=1)
-                word = builder.xor(word, ir.Constant(i32, -0x7F7F7F80))  # 0x80808080
+            def codes(t, q):  # token t's four codes of quad q, top bits flipped, in every lane
+                offset = builder.add(builder.mul(ir.Constant(i64, t), row),
+                                     builder.mul(q, ir.Constant(i64, 4)))
+                word = builder.xor(builder.load(at(src, offset, i32), align=1), ir.Constant(i32, -0x7F7F7F80))
                 one = builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(i32, 0))
                 return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(vec, [0] * 16))
 
@@ -92,47 +94,48 @@ if numba is not None:
             q = builder.phi(i64)
             q.add_incoming(ir.Constant(i64, 0), entry)
             acc = []
-            for i in range(2 * lanes):
+            for i in range(TOKENS * lanes):
                 phi = builder.phi(vec)
                 phi.add_incoming(first[i % lanes], entry)
                 acc.append(phi)
-            code_a, code_b = codes(a, q), codes(b, q)
-            row = builder.add(basis, builder.mul(q, stride))
-            new = [None] * (2 * lanes)
-            for i in range(lanes):
-                column = builder.load(at(row, ir.Constant(i64, 64 * i), vec), align=1)
-                new[i] = builder.call(dpbusd, [acc[i], code_a, column])
-                new[lanes + i] = builder.call(dpbusd, [acc[lanes + i], code_b, column])
+            words = [codes(t, q) for t in range(TOKENS)]
+            base = builder.add(basis, builder.mul(q, stride))
+            new = [None] * (TOKENS * lanes)
+            for i in range(lanes):  # each basis load serves the four tokens
+                column = builder.load(at(base, ir.Constant(i64, 64 * i), vec), align=1)
+                for t in range(TOKENS):
+                    new[t * lanes + i] = builder.call(dpbusd, [acc[t * lanes + i], words[t], column])
             nxt = builder.add(q, ir.Constant(i64, 1))
             body = builder.block
             q.add_incoming(nxt, body)
-            for i in range(2 * lanes):
+            for i in range(TOKENS * lanes):
                 acc[i].add_incoming(new[i], body)
             builder.cbranch(builder.icmp_signed("<", nxt, quads), loop, done)
             builder.position_at_end(done)
-            for i in range(lanes):
-                builder.store(new[i], at(out_a, ir.Constant(i64, 64 * i), vec), align=4)
-                builder.store(new[lanes + i], at(out_b, ir.Constant(i64, 64 * i), vec), align=4)
+            for t in range(TOKENS):
+                out = builder.add(dst, builder.mul(ir.Constant(i64, t), dst_row))
+                for i in range(lanes):
+                    builder.store(new[t * lanes + i], at(out, ir.Constant(i64, 64 * i), vec), align=4)
             return context.get_dummy_value()
 
         return codegen
 
     @intrinsic
-    def _sums_two_tokens(typingctx, a, b, basis, stride, quads, out_a, out_b, start):
-        """out_a, out_b [COLUMNS] int32 = start + the int8 codes at addresses a, b (4 * quads bytes each)
-        dotted with the packed basis columns at `basis` (quad q at basis + q * stride) by `vpdpbusd`, the
-        accumulators in registers through the loop over quads (quads >= 1)."""
+    def _sums_four_tokens(typingctx, src, row, basis, stride, quads, dst, dst_row, start):
+        """dst + t * dst_row [COLUMNS] int32 = start + the int8 codes at src + t * row (4 * quads bytes) of
+        the four tokens t dotted with the packed basis columns at `basis` (quad q at basis + q * stride) by
+        `vpdpbusd`, the sixteen accumulators in registers through the loop over quads (quads >= 1)."""
         return types.void(*([types.intp] * 8)), _sums_codegen(COLUMNS // 16)
 
     @intrinsic
-    def _sums_two_tokens_16(typingctx, a, b, basis, stride, quads, out_a, out_b, start):
-        """`_sums_two_tokens` over 16 columns (a width's last ones)."""
+    def _sums_four_tokens_16(typingctx, src, row, basis, stride, quads, dst, dst_row, start):
+        """`_sums_four_tokens` over 16 columns (a width's last ones)."""
         return types.void(*([types.intp] * 8)), _sums_codegen(1)
 else:  # pragma: no cover
-    def _sums_two_tokens(*args):
+    def _sums_four_tokens(*args):
         raise RuntimeError("numba is not available")
 
-    _sums_two_tokens_16 = _sums_two_tokens
+    _sums_four_tokens_16 = _sums_four_tokens
 
 
 @inline
@@ -140,22 +143,21 @@ def _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, co
                 tile, half):
     groups, quads, width = packed.shape[0], packed.shape[1], packed.shape[2]
     stride, row = 4 * width, codes.shape[2]
+    wide = width - width % COLUMNS  # columns in whole runs of COLUMNS; the rest 16 at a time
     for j0 in range(0, k, TILE):
         j1 = min(j0 + TILE, k)
         for g in range(groups):
-            src, basis, first, dst = codes[g].ctypes.data, packed[g].ctypes.data, start[g].ctypes.data, \
-                tile[g].ctypes.data
-            for j in range(j0, j1, 2):
-                j2 = min(j + 1, j1 - 1)  # an odd last token is computed twice
-                wide = width - width % COLUMNS
-                for c0 in range(0, wide, COLUMNS):
-                    _sums_two_tokens(src + j * row, src + j2 * row, basis + 4 * c0, stride, quads,
-                                     dst + 4 * ((j - j0) * width + c0), dst + 4 * ((j2 - j0) * width + c0),
-                                     first + 4 * c0)
-                for c0 in range(wide, width, 16):
-                    _sums_two_tokens_16(src + j * row, src + j2 * row, basis + 4 * c0, stride, quads,
-                                        dst + 4 * ((j - j0) * width + c0), dst + 4 * ((j2 - j0) * width + c0),
-                                        first + 4 * c0)
+            src, basis = codes[g].ctypes.data, packed[g].ctypes.data
+            first, dst = start[g].ctypes.data, tile[g].ctypes.data
+            # a run of columns' basis (quads x 256 bytes) serves the tile's tokens before the next run
+            for c0 in range(0, wide, COLUMNS):
+                for j in range(j0, j1, TOKENS):
+                    _sums_four_tokens(src + j * row, row, basis + 4 * c0, stride, quads,
+                                      dst + 4 * ((j - j0) * width + c0), 4 * width, first + 4 * c0)
+            for c0 in range(wide, width, 16):
+                for j in range(j0, j1, TOKENS):
+                    _sums_four_tokens_16(src + j * row, row, basis + 4 * c0, stride, quads,
+                                         dst + 4 * ((j - j0) * width + c0), 4 * width, first + 4 * c0)
         rotated_logits(q, tile, idx[j0:j1], j1 - j0, pos0, coarse, fine, scaling, col_scale,
                        row_scale[:, j0:j1], out[:, j0:j1], half)
 
@@ -164,10 +166,11 @@ def _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, co
 def vnni_key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
                     tile):
     """Logits out[r, j] of the query rows q [H, M, d] on the keys of the tokens idx[:k] rebuilt from their
-    int8 rows codes [B, >=k, 4 * quads] (`decode_rows_int8`; the bytes past the rank are read and cancel
-    against the packed basis' zeros) and the packed basis (`pack_basis`: packed [B, quads, W, 4], start
-    [B, W]; W a multiple of 16), scaled by col_scale [B, W] and row_scale [B, >=k] and rotated to their
-    positions idx[j] + pos0 as `rotated_key_logits` does. tile: int32 scratch [B, TILE, W]."""
+    int8 rows codes [B, >=k rounded up to TOKENS, 4 * quads] (`decode_rows_int8`; the bytes past the rank
+    are read and cancel against the packed basis' zeros, the rows past k are read and their sums unused)
+    and the packed basis (`pack_basis`: packed [B, quads, W, 4], start [B, W]; W a multiple of 16), scaled
+    by col_scale [B, W] and row_scale [B, >=k] and rotated to their positions idx[j] + pos0 as
+    `rotated_key_logits` does. tile: int32 scratch [B, TILE, W]."""
     half = q.shape[2] // 2
     if half == 32:  # loops of a known trip count vectorize whole (as `rotated_key_logits`)
         _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
