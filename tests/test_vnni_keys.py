@@ -69,3 +69,22 @@ def test_the_step_rebuilds_int8_keys_through_vnni_where_the_cpu_has_it():
     keys, values, queries = kv_data(3, 9, 300, torch.float32)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
     assert _views(layer).packed is not None
+
+
+@pytest.mark.parametrize("block", [64, 2048])
+def test_without_vnni_the_int8_product_path_is_the_eager_step(block, monkeypatch):
+    """Where the CPU lacks VNNI (or numba's target is named), oneDNN's product and the rotation serve the
+    step, a block of selected tokens at a time."""
+    from s4r.core.compress import compress_layer
+    from s4r.kernels import s4r_step
+    from tests.test_fused_kernels import CONFIGS, kv_data, rope_for, selected_sets, step_both
+
+    monkeypatch.setitem(vnni_keys._state, "vnni", False)
+    monkeypatch.setattr(s4r_step, "BLOCK", block)
+    cfg = CONFIGS["pre-rope-int8-rebuild"]
+    keys, values, queries = kv_data(3, 9, 700, torch.float32)
+    layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(9, 3))
+    fused, eager, twin = step_both(layer, 9, 3, torch.float32)
+    assert s4r_step._views(layer).packed is None and layer.selected.shape[-1] > 3 * 64
+    assert selected_sets(layer) == selected_sets(twin)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
