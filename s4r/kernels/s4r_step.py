@@ -118,7 +118,7 @@ class _Views:
         if self.int8:  # codes [G, W, rk] with a scale per key dimension, as `int8_basis` quantizes
             codes, scale = int8_basis(layer.basis_k)
             rebuild, self.col_scale = codes.transpose(1, 2).contiguous(), scale[..., 0].contiguous().numpy()
-            if rebuild.shape[2] % 16 == 0 and vnni_keys.available():
+            if vnni_keys.serves(rebuild.shape[2]):
                 self.packed, self.start = vnni_keys.pack_basis(rebuild)
         else:
             # keys rebuilt in the eager step's dtype (`rebuild_dtype`) where the CPU has bf16 products; in

@@ -47,6 +47,11 @@ def available() -> bool:
     return _state["vnni"] and jit.available()
 
 
+def serves(width: int) -> bool:
+    """Whether `vnni_key_logits` runs here for a basis of `width` key columns (whole runs of 16)."""
+    return width % 16 == 0 and available()
+
+
 def pack_basis(codes: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The int8 basis codes [G, r, W] (`int8_basis`, transposed) as the kernel reads them: packed [G,
     ceil(r / 4), W, 4] (four consecutive ranks of a column side by side; ranks past r zero) and the sums'
