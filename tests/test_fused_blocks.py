@@ -129,7 +129,8 @@ def test_project_queries_kernel_unrotates_each_query_at_its_own_position(positio
     import numpy as np
 
     from s4r.kernels.latent_scoring import project_queries, query_rows
-    from s4r.kernels.s4r_step import _rotations, _views
+    from s4r.kernels.query_rotations import query_rotations
+    from s4r.kernels.s4r_step import _views
 
     cfg = replace(CONFIGS["pre-rope"], dense_queries=0, rope_chunk=128)
     keys, values, queries = kv_data(3, 9, 700, torch.float32)
@@ -140,7 +141,7 @@ def test_project_queries_kernel_unrotates_each_query_at_its_own_position(positio
     qf = query[0].reshape(3, 3 * positions, D)
     want, bounds = layer._latent_query(qf, positions)  # [C, H, rows, rk]
     v, n = _views(layer), layer._n
-    undo, cos_q, sin_q, ccos, csin, got_bounds = _rotations(layer, v, n, D, positions)
+    undo, cos_q, sin_q, ccos, csin, got_bounds = query_rotations(layer, v, n, D, positions)
     assert list(got_bounds) == list(bounds) and len(bounds) > 2
     q = np.zeros((3, 3 * positions, D), np.float32)
     query_rows(query.numpy(), q)

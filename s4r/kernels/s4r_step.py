@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from s4r.core.int8_rebuild import int8_basis
-from s4r.core.rope import ANGLE_STEP, angle_parts, chunk_rotations, last_answer
+from s4r.core.rope import ANGLE_STEP, angle_parts
 from s4r.core.subspace import head_blocks
 from s4r.kernels import jit, vnni_keys
 from s4r.kernels.jit import as_numpy
@@ -39,6 +39,7 @@ from s4r.kernels.query_blocks import (
     value_rows_product,
     window_rows,
 )
+from s4r.kernels.query_rotations import query_rotations
 from s4r.kernels.scratch import Scratch, thread_scratch
 from s4r.kernels.sparse_attention import (
     add_value_basis,
@@ -165,31 +166,6 @@ def _views(layer) -> _Views:
     return memo
 
 
-def _rotations(layer, v: _Views, n: int, d: int, positions: int):
-    """(undo, cos_q, sin_q [Q, d], chunk cos [C, d], chunk sin [C, d], bounds [C + 1]) of the step's
-    `positions` (Q) queries; the chunks' rotations are taken from the last one, as the eager step's."""
-    if not v.pre_rope:
-        return (False, np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.ones((1, d), np.float32),
-                np.zeros((1, d), np.float32), np.array([0, n], dtype=np.int64))
-    end = layer.logical if layer.query_end is None else layer.query_end
-    expected, chunk = v.expected, v.chunk or n
-
-    def compute() -> tuple:
-        cos_q, sin_q = layer._query_angles(end, positions, torch.device("cpu"))
-        cos_q, sin_q = cos_q.float().contiguous().numpy(), sin_q.float().contiguous().numpy()
-        rotations = chunk_rotations(layer.rope, n, chunk, end - 1 - layer.sinks) if expected else None
-        if rotations is None:
-            return (True, cos_q, sin_q, np.ones((1, d), np.float32), np.zeros((1, d), np.float32),
-                    np.array([0, n], dtype=np.int64))
-        bounds, cos, sin = rotations
-        return True, cos_q, sin_q, cos.numpy(), sin.numpy(), np.asarray(bounds, dtype=np.int64)
-
-    # every layer of a step asks the same: the numpy tables are kept once on the shared rope (`_Views`
-    # holds pre-RoPE layers with static frequencies only)
-    key = (end, n, d, chunk, expected, layer.sinks, v.dtype, positions)
-    return last_answer(layer.rope, "fused_rotation_memo", key, compute)
-
-
 class _Part:
     """What scoring one segment left for its attention."""
 
@@ -236,7 +212,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     parts, off = [], 0
     for i, seg in enumerate(segments):
         v, scratch, n, e = views[i], thread_scratch(i), seg._n, seg.exact_length
-        undo, cos_q, sin_q, ccos, csin, bounds = _rotations(seg, v, n, d, positions)
+        undo, cos_q, sin_q, ccos, csin, bounds = query_rotations(seg, v, n, d, positions)
         chunks = ccos.shape[0]
         q8 = scratch.np("q8", (chunks, nrows, v.lead), torch.int8)
         full = 0 if v.pre_rope else v.rk  # pre-RoPE keys are rebuilt, not dotted in latent
