@@ -166,6 +166,40 @@ def test_a_second_document_becomes_a_segment_within_the_ratio(model, ingest, tmp
     assert loaded.ask("Which shelf?", max_new_tokens=6)[0] == answer
 
 
+def _views_are_built(session, segments: int) -> bool:
+    """Whether every layer has `segments` segments, each holding views current with its storage."""
+    from s4r.kernels.s4r_step import _views
+
+    for layer in session.cache.layers:
+        parts = getattr(layer, "segments", [layer])
+        if len(parts) != segments:
+            return False
+        for seg in parts:
+            kept = seg.__dict__.get("_fused_views")
+            if kept is None or _views(seg) is not kept:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("ingest", ["layerwise", "chunked"])
+def test_each_stored_document_has_the_fused_step_views_before_a_question(model, ingest, tmp_path):
+    """What the fused step reads of a layer is built when a document is stored or a saved cache loaded,
+    not at the first question."""
+    pytest.importorskip("numba")
+    from s4r.kernels import jit
+
+    if not jit.available():
+        pytest.skip("the fused kernels do not run here")
+    session = _session(model)
+    session.ingest_mode = ingest
+    session.ingest(DOC1)
+    assert _views_are_built(session, 1)
+    session.ingest(DOC2)
+    assert _views_are_built(session, 2)
+    session.save(tmp_path / "two.s4r")
+    assert _views_are_built(Session.load(tmp_path / "two.s4r", session.loaded), 2)
+
+
 def test_truncating_into_the_first_document_drops_the_segment(model):
     session = _session(model)
     session.ingest(DOC1)

@@ -74,6 +74,13 @@ class CompressedCache(Cache):
                 self.layers[i] = build(i, layer)
         self._pending_build = build if self._held else None
 
+    def prepare_decode(self) -> None:
+        """Build ahead what the fused CPU decode step reads of each compressed layer (kept on the layer while
+        its storage stays), so a question right after a document does not wait for it."""
+        from s4r.kernels.s4r_step import prepare_layers  # numba loads only where a cache asks for it
+
+        prepare_layers(self.layers)
+
     def hold_layers(self, indices) -> None:
         """Mark staging layers as still being filled, so `compress` waits for `release_layer`."""
         self._held = set(indices)

@@ -233,6 +233,7 @@ class Session:
         elif not fresh:
             with torch.inference_mode():  # the collected text joins tensors made in inference mode
                 settle_cache(self.cache)
+        self.cache.prepare_decode()  # the fused step's views, built now rather than at the first question
         t2 = time.perf_counter()
         # the freed staging buffers go back to the OS instead of staying in the process's heap
         release_freed_memory(self.device)

@@ -86,6 +86,7 @@ def restore_session(session: SessionLike, path: str | Path, meta: dict[str, Any]
                                  f"this session uses {ours.get(shown)!r}")
     cache = session._new_cache()
     load_cache(path, cache, session.rope, getattr(session, "layer_devices", None) or session.device)
+    cache.prepare_decode()  # as after an ingest: the first question does not wait for the fused step's views
     session.cache = cache
     session._state = meta.get("state", "open")
     session.document_tokens = int(meta.get("document_tokens", 0))
