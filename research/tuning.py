@@ -232,6 +232,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # default: 2,048 tokens at every ratio; "uncapped": no cap
     "uncapped": {"recon_token_cap": 0},
     "tokens1024": {"recon_token_cap": 1024},
+    "tokens1536": {"recon_token_cap": 1536},
     "tokens2048": {"recon_token_cap": 2048},
     "tokens4096": {"recon_token_cap": 4096},
     "drop0.02+max0.4": {"recon_drop": 0.02, "recon_max": 0.4},

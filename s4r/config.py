@@ -16,7 +16,7 @@ HIGH_RATIO_VALUE_BANDS = "8:1,2:22"
 KEY_SHARE = 0.4
 HIGH_RATIO_KEY_SHARE = 0.35
 # the most stored tokens a pre-RoPE step rebuilds where `recon_token_cap` is unset, at every ratio
-REBUILD_TOKENS = 2048
+REBUILD_TOKENS = 1536
 
 KeySpace = Literal["post_rope", "pre_rope"]
 Granularity = Literal["head", "layer"]

@@ -198,8 +198,8 @@ def test_the_token_cap_bounds_the_fixed_count_and_the_ceiling():
     with pytest.raises(ValueError, match="recon_token_cap"):
         S4RConfig(recon_token_cap=-1)
     # unset, the cap is the same at every ratio; the fixed-share presets keep no limit
-    assert S4RConfig(ratio=5).token_cap() == 2048 and S4RConfig(ratio=2.5).token_cap() == 2048
-    assert S4RConfig(ratio=8).token_cap() == 2048 and S4RConfig(ratio=10).token_cap() == 2048
+    assert S4RConfig(ratio=5).token_cap() == 1536 and S4RConfig(ratio=2.5).token_cap() == 1536
+    assert S4RConfig(ratio=8).token_cap() == 1536 and S4RConfig(ratio=10).token_cap() == 1536
     assert S4RConfig(ratio=5, recon_token_cap=0).token_cap() is None
     assert S4RConfig.fast(5).token_cap() is None and S4RConfig.paper(5).token_cap() is None
 

@@ -3,8 +3,8 @@ query rows a tile of tokens at a time (numba, CPU).
 
 Reference: one `torch._int_mm` of the decoded int8 rows with the basis codes, then `rotated_key_logits`
 (the step's path where this one does not apply). The integer sums are the same (exact both ways) and so are
-the rotation and the dots; a tile's sums stay in L1 where the product writes a [k, W] int32 buffer (1.5 MB
-for 2,048 tokens of SmolLM2) that the rotation reads back.
+the rotation and the dots; a tile's sums stay in L1 where the product writes a [k, W] int32 buffer (1.2 MB
+for 1,536 tokens of SmolLM2) that the rotation reads back.
 
 VNNI multiplies unsigned bytes by signed ones: each token's codes are offset by 128 (their top bit
 flipped) and each column's sums start from -128 times the column's codes summed, which cancels the
