@@ -229,7 +229,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     # (the default, up to 2/ratio); "fixed": a fixed share
     "fixed": {"recon_drop": None},
     # a step's rebuild capped in tokens: the adaptive budget's work grows with the context. The
-    # default: 2,048 tokens at every ratio; "uncapped": no cap
+    # default: 1,536 tokens at every ratio; "uncapped": no cap
     "uncapped": {"recon_token_cap": 0},
     "tokens1024": {"recon_token_cap": 1024},
     "tokens1536": {"recon_token_cap": 1536},

@@ -31,7 +31,7 @@ def query_rotations(layer, v, n: int, d: int, positions: int) -> tuple:
         bounds, cos, sin = rotations
         return True, cos_q, sin_q, cos.numpy(), sin.numpy(), np.asarray(bounds, dtype=np.int64)
 
-    # every layer of a step asks the same: the numpy tables are kept once on the shared rope (`_Views`
-    # holds pre-RoPE layers with static frequencies only)
+    # every layer of a step asks the same: the numpy tables are kept once on the shared rope (the step's
+    # views hold pre-RoPE layers with static frequencies only)
     key = (end, n, d, chunk, expected, layer.sinks, v.dtype, positions)
     return last_answer(layer.rope, "fused_rotation_memo", key, compute)
