@@ -45,10 +45,14 @@ class CompressedCache(Cache):
         stored = self.nbytes()
         return self.full_nbytes() / stored if stored else float("inf")
 
+    def layer_parts(self) -> list[CacheLayer]:
+        """Every layer's parts: the segments of a layer holding several documents, else the layer itself."""
+        return [p for layer in self.layers for p in getattr(layer, "segments", [layer])]
+
     def rebuilt_share(self) -> float | None:
         """Share of the stored (compressed) tokens the steps so far rebuilt (or attended in latent space),
         over every layer and step; None before any sparse step."""
-        parts = [p for layer in self.layers for p in getattr(layer, "segments", [layer])]
+        parts = self.layer_parts()
         rebuilt = sum(getattr(p, "rebuilt_tokens", 0) for p in parts)
         scored = sum(getattr(p, "scored_tokens", 0) for p in parts)
         return rebuilt / scored if scored else None
@@ -79,7 +83,7 @@ class CompressedCache(Cache):
         its storage stays), so a question right after a document does not wait for it."""
         from s4r.kernels.s4r_step import prepare_layers  # numba loads only where a cache asks for it
 
-        prepare_layers(self.layers)
+        prepare_layers(self.layer_parts())
 
     def hold_layers(self, indices) -> None:
         """Mark staging layers as still being filled, so `compress` waits for `release_layer`."""

@@ -166,11 +166,12 @@ def _views(layer) -> _Views:
     return memo
 
 
-def prepare_layers(layers) -> None:
-    """Build ahead the `_Views` of each compressed layer (or segment) the fused step may serve on this CPU,
-    so a question right after a document does not wait for them; a later change of storage rebuilds them."""
+def prepare_layers(parts) -> None:
+    """Build ahead the `_Views` of each compressed layer or segment of `parts` the fused step may serve on
+    this CPU, so a question right after a document does not wait for them; a later change of storage
+    rebuilds them."""
     if jit.available():
-        for seg in (s for layer in layers for s in getattr(layer, "segments", [layer])):
+        for seg in parts:
             if getattr(seg, "plan_k", None) is not None and seg._n and seg._ck.device.type == "cpu":
                 _views(seg)
 
