@@ -222,9 +222,10 @@ def test_the_eager_setting_and_a_missing_numba_run_the_eager_path(monkeypatch, c
 @pytest.mark.parametrize("n", [1, 511, 512, 513, 1300])
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("rows", [2, 3])
-def test_latent_logits_kernel_is_the_integer_product(n, groups, rows):
-    """Every token's int8 logit over tile edges, chunk bounds, an offset, per-head groups and row counts
-    that the kernel's blocks of three rows do not divide."""
+@pytest.mark.parametrize("parts", [1, 3])
+def test_latent_logits_kernel_is_the_integer_product(n, groups, rows, parts):
+    """Every token's int8 logit over tile edges, chunk bounds, an offset, per-head groups, row counts
+    that the kernel's blocks of three rows do not divide, and the tokens split into runs (some empty)."""
     from s4r.kernels.jit import as_numpy
     from s4r.kernels.latent_scoring import latent_logits
 
@@ -237,7 +238,7 @@ def test_latent_logits_kernel_is_the_integer_product(n, groups, rows):
     bounds = torch.tensor([0, n // 3, n])
     logits = torch.full((3 * rows, off + n), float("nan"))
     latent_logits(q8.numpy(), qscale.numpy(), bounds.numpy(), ck.numpy(), as_numpy(sk), n, rows,
-                  logits.numpy(), off)
+                  logits.numpy(), off, parts)
     chunk_of = (torch.arange(n) >= n // 3).long()
     group_of = torch.arange(3 * rows) // rows if groups > 1 else torch.zeros(3 * rows, dtype=torch.long)
     dots = torch.einsum("crj,rjt->crt", q8.double(), ck[group_of, :, :n].double())  # [C, R, n]
@@ -294,9 +295,11 @@ def random_bands(tails, groups: int = 2, n: int = 300, lead: int = 12):
 
 
 @pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((2, 8),), ((8, 4), (4, 8)), ()])
-def test_decode_rows_int8_kernel_is_the_int8_rows_reference(tails):
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_decode_rows_int8_kernel_is_the_int8_rows_reference(tails, parts):
     """Selected key rows as one int8 row each on the lead band's step: the lead codes as stored, the lower
-    bands as `int8_rows` rounds the band decoder's values (some past +-127, clamped); rows past k zeroed."""
+    bands as `int8_rows` rounds the band decoder's values (some past +-127, clamped); rows past k zeroed;
+    the rows split into runs or not."""
     from s4r.core.band_plan import BandPlan
     from s4r.core.coef_bands import decode_tails
     from s4r.core.int8_rebuild import int8_rows
@@ -313,7 +316,7 @@ def test_decode_rows_int8_kernel_is_the_int8_rows_reference(tails):
     widths = torch.tensor([w for _, w in tails], dtype=torch.int64)
     decode_rows_int8(idx.numpy(), k, lead_codes.transpose(1, 2).contiguous().numpy(), as_numpy(scale),
                      tail_codes.numpy(), as_numpy(tail_steps), bits.numpy(), widths.numpy(), out.numpy(),
-                     out_scale.numpy())
+                     out_scale.numpy(), parts)
     rows = lead_codes[:, idx].float() * scale[:, idx, None].float()
     if tails:
         rows = torch.cat([rows, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)
@@ -328,9 +331,11 @@ def test_decode_rows_int8_kernel_is_the_int8_rows_reference(tails):
 
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ()])
-def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, tails):
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, tails, parts):
     """z[b, m] = probabilities times the decoded value rows of the selected tokens, each group's rows
-    weighted by its own query rows, over a count that is not a multiple of the kernel's token block."""
+    weighted by its own query rows, over a count that is not a multiple of the kernel's token block, the
+    tokens split into runs whose sums are added (one run empty at 4) or not."""
     from s4r.core.band_plan import BandPlan
     from s4r.core.coef_bands import decode_tails
     from s4r.kernels.jit import as_numpy
@@ -345,7 +350,7 @@ def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, 
     bits = torch.tensor([b for b, _ in tails], dtype=torch.int64).numpy()
     widths = torch.tensor([w for _, w in tails], dtype=torch.int64).numpy()
     weighted_value_rows(probs.numpy(), idx.numpy(), k, lead_codes.numpy(), as_numpy(scale),
-                        tail_codes.numpy(), as_numpy(tail_steps), bits, widths, z.numpy())
+                        tail_codes.numpy(), as_numpy(tail_steps), bits, widths, z.numpy(), parts)
     decoded = lead_codes[:, idx].float() * scale[:, idx, None].float()
     if tails:
         decoded = torch.cat([decoded, decode_tails(tail_codes[:, idx], tail_steps[:, idx], plan)], -1)

@@ -11,8 +11,10 @@ pytest.importorskip("numba")
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
-def test_normaliser_is_the_row_max_and_sums(n):
-    """Row maximum exact, row and candidate sums within fp32 rounding, the peak at every position."""
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_normaliser_is_the_row_max_and_sums(n, parts):
+    """Row maximum exact, row and candidate sums within fp32 rounding, the peak at every position; the
+    rows in one run or split into runs (one empty at 3)."""
     from s4r.kernels.latent_scoring import normaliser
 
     rng = np.random.default_rng(n)
@@ -27,7 +29,7 @@ def test_normaliser_is_the_row_max_and_sums(n):
         rowmax, rowsum, candsum = (np.zeros(nrows, np.float32) for _ in range(3))
         stored = logits[:, off:].copy()
         normaliser(logits, off, n, el, sinks, len(out_idx), e, out_idx, cand, rowmax, rowsum, candsum,
-                   np.zeros(n, np.float32))
+                   np.zeros(n, np.float32), parts)
         stored[:, out_idx] = el[:, sinks : sinks + len(out_idx)]
         exact = np.concatenate([el[:, :sinks], el[:, sinks + len(out_idx) :]], axis=1)
         every = np.concatenate([stored, exact], axis=1).astype(np.float64)

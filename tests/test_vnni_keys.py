@@ -27,10 +27,12 @@ def test_packed_basis_starts_each_column_at_minus_128_times_its_codes():
 @pytest.mark.parametrize("groups,rank,width,d", [(1, 76, 192, 64), (1, 13, 96, 32), (3, 30, 64, 64),
                                                 (3, 5, 32, 32), (1, 24, 256, 128)])
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 100])
-def test_vnni_key_logits_kernel_is_the_int8_product_then_rotated_key_logits(groups, rank, width, d, k):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_vnni_key_logits_kernel_is_the_int8_product_then_rotated_key_logits(groups, rank, width, d, k, parts):
     """Basis widths of whole and partial 64-column runs, ranks past and on a multiple of four, a layer
-    basis shared by its heads and one per head, token counts around the tile and odd ones: the same
-    logits bit for bit (the same integer sums, the same rotation and dots)."""
+    basis shared by its heads and one per head, token counts around the tile and odd ones, the tokens in
+    one run or split into runs of whole tiles (some empty): the same logits (the same integer sums and
+    rotation; the dots' sums vectorized in another order, so within fp32 rounding)."""
     from s4r.core.rope import angle_parts
     from s4r.kernels.sparse_attention import rotated_key_logits
 
@@ -46,14 +48,14 @@ def test_vnni_key_logits_kernel_is_the_int8_product_then_rotated_key_logits(grou
     q = torch.randn(heads, 3, d, generator=g)
     col, row = torch.rand(groups, width, generator=g) / 1e3, torch.rand(groups, k + 3, generator=g) / 1e2
     out = torch.full((3 * heads, k + 2), float("nan"))
-    tile = torch.zeros(groups, vnni_keys.TILE, width, dtype=torch.int32)
+    tiles = torch.zeros(parts, groups, vnni_keys.TILE, width, dtype=torch.int32)
     vnni_keys.vnni_key_logits(q.numpy(), codes.numpy(), packed, start, idx.numpy(), k, 4, coarse, fine, 0.125,
-                              col.numpy(), row.numpy(), out.numpy(), tile.numpy())
+                              col.numpy(), row.numpy(), out.numpy(), tiles.numpy(), parts)
     sums = torch.matmul(codes[:, :k, :rank].long(), basis.long()).int()
     want = torch.full_like(out, float("nan"))
     rotated_key_logits(q.numpy(), sums.numpy(), idx.numpy(), k, 4, coarse, fine, 0.125, col.numpy(),
                        row.numpy(), want.numpy())
-    assert torch.equal(out[:, :k], want[:, :k])
+    torch.testing.assert_close(out[:, :k], want[:, :k], rtol=1e-6, atol=1e-7)
     assert out[:, k:].isnan().all()  # nothing written past the selected tokens
 
 

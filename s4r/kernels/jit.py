@@ -8,9 +8,11 @@ an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
+from types import FunctionType
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ except Exception as exc:  # pragma: no cover - exercised where numba is absent
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 _state: dict = {"warned": False, "failed": False}
+prange = numba.prange if numba is not None else range  # a kernel's loop over its parts (`split_kernel`)
 # reassociation lets sums vectorize; no `arcp` (a division must round as torch's does, e.g. the int8
 # quantization of a query) and no `ninf`/`nnan` (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz"}
@@ -62,6 +65,52 @@ def kernel(fn: Callable) -> Callable:
     if numba is None:
         return fn
     return numba.njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")(fn)
+
+
+# `prange` loops only: numba's other parallel rewrites would turn a kernel's array fills and allocations into
+# thread launches of their own
+_PARALLEL = {"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
+             "setitem": False, "numpy": False, "stencil": False, "fusion": False}
+
+
+def split_kernel(fn: Callable) -> Callable:
+    """`kernel` for a kernel whose last argument `parts` splits its work (a `prange` loop over the parts):
+    one part runs a serial build, where `prange` is a plain loop; more run a parallel build, one part a
+    thread of numba's threading layer, compiled at its first call (it takes longer to compile)."""
+    if numba is None:
+        return fn
+    serial = kernel(fn)
+    twin = FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_split", fn.__defaults__)
+    twin.__qualname__ = fn.__qualname__ + "_split"  # its own entry in numba's disk cache
+    parallel = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy",
+                          parallel=_PARALLEL)(twin)
+
+    @functools.wraps(fn)
+    def run(*args):
+        return (parallel if args[-1] > 1 else serial)(*args)
+
+    return run
+
+
+def parts() -> int:
+    """How many parts the fused step splits its largest kernels into: torch's intra-op thread count where
+    numba runs its threads on OpenMP, else 1 (its own work queue, interleaved with torch's pool, ran slower
+    here than one thread). Numba's thread count follows torch's; one part never starts its threads."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) if numba is not None else 1
+    if threads <= 1:
+        return 1
+    if "layer" not in _state:
+        try:
+            _probe(np.zeros(2), 2)
+            _state["layer"] = numba.threading_layer()
+        except Exception as exc:  # noqa: BLE001 - no threading layer loads here: one part
+            _state["layer"] = None
+            log.info("s4r: fused kernels on one thread (%s)", exc)
+    if _state["layer"] != "omp":
+        return 1
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
 
 
 def inline(fn: Callable) -> Callable:
@@ -242,3 +291,10 @@ def rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_
                 for i in range(d):
                     acc += q[h, m, i] * rot[i]
                 out[h * rows + m, j] = acc * factor
+
+
+@split_kernel
+def _probe(x, parts):
+    """A parallel loop that loads numba's threading layer (`parts`)."""
+    for p in prange(parts):
+        x[p] = p

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from s4r.kernels.jit import LANES, as_f32, fast_exp, inline, kernel, largest
+from s4r.kernels.jit import LANES, as_f32, fast_exp, inline, kernel, largest, prange, split_kernel
 
 TILE = 512  # tokens per tile: the three rows' accumulators and the band's tile stay in L1
 
@@ -130,13 +130,9 @@ def _four_columns(qf, r0, r1, r2, j, band, last, w, a0, a1, a2):
         a2[t] += z0 * c0 + z1 * c1 + z2 * c2 + z3 * c3
 
 
-@kernel
-def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
-    """Logits logits[r, off + t] of every stored token t < n from the int8 lead band ck [G, lead, >=n]
-    (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
-    G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows).
-    Three query rows at a time over four band rows at a time (a group's last row repeated where its rows
-    run out), the token loop innermost: a band row is read once for three query rows."""
+@inline
+def _latent_range(q8, qscale, bounds, ck, sk, first_t, last_t, rows, logits, off):
+    """`latent_logits` of the tokens first_t <= t < last_t."""
     chunks, nrows, lead = q8.shape[0], q8.shape[1], q8.shape[2]
     groups = ck.shape[0]
     padded = -(-lead // 4) * 4
@@ -144,10 +140,12 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
     acc = np.empty((3, TILE), np.float32)
     per = nrows if groups == 1 else rows
     for c in range(chunks):
+        lo, hi = max(bounds[c], first_t), min(bounds[c + 1], last_t)
+        if lo >= hi:
+            continue
         for r in range(nrows):
             for j in range(lead):
                 qf[r, j] = np.float32(q8[c, r, j])
-        lo, hi = bounds[c], min(bounds[c + 1], n)
         for t0 in range(lo, hi, TILE):
             t1 = min(t0 + TILE, hi)
             w = t1 - t0
@@ -157,9 +155,10 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
                 for rb in range(0, per, 3):
                     r0, r1, r2 = first + rb, first + min(rb + 1, per - 1), first + min(rb + 2, per - 1)
                     a0, a1, a2 = acc[0, :w], acc[1, :w], acc[2, :w]
-                    a0[:] = 0.0
-                    a1[:] = 0.0
-                    a2[:] = 0.0
+                    for t in range(w):
+                        a0[t] = 0.0
+                        a1[t] = 0.0
+                        a2[t] = 0.0
                     for j in range(0, padded, 4):
                         _four_columns(qf, r0, r1, r2, j, band, lead - 1, w, a0, a1, a2)
                     for i in range(3):
@@ -170,40 +169,61 @@ def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off):
                             dst[t] = (a[t] * s) * as_f32(scales[t])
 
 
-@kernel
-def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsum, candsum, keep):
+@split_kernel
+def latent_logits(q8, qscale, bounds, ck, sk, n, rows, logits, off, parts):
+    """Logits logits[r, off + t] of every stored token t < n from the int8 lead band ck [G, lead, >=n]
+    (scales sk [G, >=n]): integer dot products with chunk c's query codes for bounds[c] <= t < bounds[c+1].
+    G = 1 (one layer basis) or one group per KV head (query row r belongs to head r // rows).
+    Three query rows at a time over four band rows at a time (a group's last row repeated where its rows
+    run out), the token loop innermost: a band row is read once for three query rows. The tokens split
+    into `parts` runs of whole tiles, one a thread (`split_kernel`)."""
+    span = -(-n // (parts * TILE)) * TILE
+    for p in prange(parts):
+        _latent_range(q8, qscale, bounds, ck, sk, p * span, min(n, (p + 1) * span), rows, logits, off)
+
+
+@inline
+def _normalise_row(lr, er, n, sinks, n_out, e, out_idx, cand, keep, lanes, rowmax, rowsum, candsum, r):
+    """`normaliser` of one query row: its logits lr [n], its exact ones er."""
+    for i in range(n_out):
+        lr[out_idx[i]] = er[sinks + i]
+    m = largest(lr, n, lanes)
+    for t in range(sinks):
+        m = max(m, er[t])
+    for t in range(sinks + n_out, e):
+        m = max(m, er[t])
+    part = np.float32(0.0)
+    total = np.float32(0.0)
+    for t in range(cand):
+        p = fast_exp(lr[t] - m)
+        total += p
+        part += p * keep[t]
+    for t in range(cand, n):
+        total += fast_exp(lr[t] - m)
+    for t in range(sinks):
+        total += fast_exp(er[t] - m)
+    for t in range(sinks + n_out, e):
+        total += fast_exp(er[t] - m)
+    rowmax[r], rowsum[r], candsum[r] = m, total, part
+
+
+@split_kernel
+def normaliser(logits, off, n, el, sinks, n_out, e, out_idx, cand, rowmax, rowsum, candsum, keep, parts):
     """Per query row: the outliers' latent logits replaced by their exact ones (el[:, sinks + i]), then
     the max and the sum of exp(logit - max) over the stored tokens and the other exact tokens (sinks,
-    buffer), and the same sum over the stored candidates t < cand that are not outliers.
-    keep: >= n float32 scratch (1 for a candidate, 0 for an outlier)."""
+    buffer), and the same sum over the stored candidates t < cand that are not outliers; the rows split
+    into `parts` runs, one a thread. keep: >= n float32 scratch (1 for a candidate, 0 for an outlier)."""
     nrows = logits.shape[0]
-    lanes = np.empty(LANES, np.float32)
     for t in range(n):
         keep[t] = 1.0
     for i in range(n_out):
         keep[out_idx[i]] = 0.0
-    for r in range(nrows):
-        lr, er = logits[r, off : off + n], el[r]
-        for i in range(n_out):
-            lr[out_idx[i]] = er[sinks + i]
-        m = largest(lr, n, lanes)
-        for t in range(sinks):
-            m = max(m, er[t])
-        for t in range(sinks + n_out, e):
-            m = max(m, er[t])
-        part = np.float32(0.0)
-        total = np.float32(0.0)
-        for t in range(cand):
-            p = fast_exp(lr[t] - m)
-            total += p
-            part += p * keep[t]
-        for t in range(cand, n):
-            total += fast_exp(lr[t] - m)
-        for t in range(sinks):
-            total += fast_exp(er[t] - m)
-        for t in range(sinks + n_out, e):
-            total += fast_exp(er[t] - m)
-        rowmax[r], rowsum[r], candsum[r] = m, total, part
+    span = -(-nrows // parts)
+    for p in prange(parts):
+        lanes = np.empty(LANES, np.float32)
+        for r in range(p * span, min(nrows, (p + 1) * span)):
+            _normalise_row(logits[r, off : off + n], el[r], n, sinks, n_out, e, out_idx, cand, keep, lanes,
+                           rowmax, rowsum, candsum, r)
 
 
 @kernel

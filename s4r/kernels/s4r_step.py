@@ -59,6 +59,8 @@ from s4r.kernels.vnni_keys import vnni_key_logits
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
 BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
+# the least work split over threads: a thread woken for less costs more than it saves (BENCHMARKS.md, threads)
+SPLIT_SCORED, SPLIT_SELECTED = 16384, 1024  # stored tokens scored, selected tokens rebuilt
 _NO_OUTLIERS = np.zeros(0, np.int32)
 
 
@@ -199,6 +201,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     group = query.shape[1] // heads
     rows = group * positions
     views = views or [_views(s) for s in segments]
+    split = jit.parts()  # the largest kernels split their work over this many threads
     total_n = sum(s._n for s in segments)
     joint = thread_scratch(0)
     q = joint.np("query", (heads, rows, d))
@@ -238,10 +241,11 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         if positions > 1:
             mask_later_tokens(el, seg, heads, positions)
         els = window_rows(el, heads, group, positions, window, scratch.np("el_scoring", (nrows, e)))
-        latent_logits(q8, qscale, bounds, v.ck, v.sk, n, srows, logits, off)
+        scored_split = split if n >= SPLIT_SCORED else 1
+        latent_logits(q8, qscale, bounds, v.ck, v.sk, n, srows, logits, off, scored_split)
         cand = min(max(cand_total - off, 0), n)
         normaliser(logits, off, n, els, seg.sinks, seg._n_out, e, v.out_idx, cand, rowmax[i], rowsum[i],
-                   candsum[i], scratch.np("keep", (n,)))
+                   candsum[i], scratch.np("keep", (n,)), scored_split)
         parts.append(_Part(seg, v, scratch, off, el, qfull, products))
         off += n
     combine_normalisers(rowmax, rowsum, candsum, lse, candmass)
@@ -263,7 +267,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         if len(parts) > 1:  # picked is in ascending order: each segment's tokens are one run of it
             lo, hi = np.searchsorted(picked, (part.off, part.off + seg._n))
             mine = picked[lo:hi] - part.off if part.off else picked[lo:hi]
-        results.append(_attend_part(part, mine, q, logits, scaling, rows))
+        results.append(_attend_part(part, mine, q, logits, scaling, rows, split))
         seg.fold_buffer()
     return results
 
@@ -277,11 +281,12 @@ def _blocks(k: int, block: int):
 
 
 def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray, scaling: float,
-                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 rows: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     seg, v, scratch = part.layer, part.views, part.scratch
     heads, d = seg.heads, seg.head_dim
     nrows = heads * rows
     k = idx.shape[0]
+    parts = parts if k >= SPLIT_SELECTED else 1
     # a copy (contiguous): the scratch `idx` views serves the next layer, this one keeps its choice
     idx = seg.selected = idx.copy()
     seg.rebuilt_tokens += k
@@ -299,11 +304,11 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
             coefs, coefs_np = scratch.view("coefs", (groups, sel.shape[1], cols), torch.int8)
             row_scale = scratch.np("row_scale", (groups, sel.shape[1]))
             decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np[..., :rk],
-                             row_scale)
+                             row_scale, parts)
             if vnni:
-                tile = scratch.np("key_tile", (groups, vnni_keys.TILE, width), torch.int32)
+                tiles = scratch.np("key_tiles", (parts, groups, vnni_keys.TILE, width), torch.int32)
                 vnni_key_logits(q, coefs_np, v.packed, v.start, idx, k, pos0, coarse, fine, scaling,
-                                v.col_scale, row_scale, sel, tile)
+                                v.col_scale, row_scale, sel, tiles, parts)
             for start, end, pad in _blocks(0 if vnni else k, BLOCK):
                 sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
@@ -340,7 +345,7 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
             value_rows_product(sel, k, decoded, z)
             add_value_basis_product(z.reshape(nrows, v.rv), v.blocks_v, out_np)
         else:
-            weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z)
+            weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z, parts)
             add_value_basis(z.reshape(nrows, v.rv), v.blocks_v, out_np)
     return torch.from_numpy(out_np), torch.from_numpy(lse_np)
 

@@ -27,7 +27,9 @@ from s4r.kernels.jit import (
     kernel,
     largest,
     numba,
+    prange,
     rotated_logits,
+    split_kernel,
 )
 
 if numba is not None:
@@ -167,19 +169,17 @@ def decode_rows(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, wi
                 dst[c] = 0
 
 
-@kernel
-def decode_rows_int8(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, out, out_scale):
-    """`decode_rows` of keys (lead_codes [G, lead, N]) as int8 rows on the lead band's step, what one int8
-    product rebuilds: out[b, j, :] holds token idx[j]'s lead codes as stored, then its lower bands decoded,
-    times the step's reciprocal, rounded (clamped to +-127), out_scale[b, j] the step; rows past k up to
-    out's capacity zeroed. Reference: `s4r.core.int8_rebuild.int8_rows`."""
+@inline
+def _int8_rows(idx, first_j, last_j, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, out,
+               out_scale):
+    """`decode_rows_int8` of the selected tokens first_j <= j < last_j."""
     groups = out.shape[0]
     rank = out.shape[2]
     lead = lead_codes.shape[1]
     row = np.empty(rank - lead, np.float32)
     for g in range(groups):
         codes_g, scale_g = lead_codes[g], lead_scale[g]
-        for j in range(k):
+        for j in range(first_j, last_j):
             t = idx[j]
             s = as_f32(scale_g[t])
             dst = out[g, j]
@@ -193,9 +193,24 @@ def decode_rows_int8(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bit
                     v = min(max(np.rint(row[c] * inv), np.float32(-127.0)), np.float32(127.0))
                     tail[c] = np.int8(np.int32(v))
             out_scale[g, j] = s
+
+
+@split_kernel
+def decode_rows_int8(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, out, out_scale,
+                     parts):
+    """`decode_rows` of keys (lead_codes [G, lead, N]) as int8 rows on the lead band's step, what one int8
+    product rebuilds: out[b, j, :] holds token idx[j]'s lead codes as stored, then its lower bands decoded,
+    times the step's reciprocal, rounded (clamped to +-127), out_scale[b, j] the step; rows past k up to
+    out's capacity zeroed. The tokens split into `parts` runs, one a thread. Reference:
+    `s4r.core.int8_rebuild.int8_rows`."""
+    span = -(-k // parts)
+    for p in prange(parts):
+        _int8_rows(idx, min(k, p * span), min(k, (p + 1) * span), lead_codes, lead_scale, tail_codes,
+                   tail_steps, bits, widths, out, out_scale)
+    for g in range(out.shape[0]):
         for j in range(k, out.shape[1]):
             dst = out[g, j]
-            for c in range(rank):
+            for c in range(out.shape[2]):
                 dst[c] = 0
             out_scale[g, j] = 0
 
@@ -203,11 +218,9 @@ def decode_rows_int8(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bit
 TOKENS = 16  # value rows decoded and combined a block at a time: each output row is read once per block
 
 
-@kernel
-def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, z):
-    """z[b, m, :] = the sum over j < k of probs[b * M + m, j] times the decoded value coefficients of token
-    idx[j] (lead_codes [G, N, lead] times their scale, then the lower bands), for each basis group b of the
-    G and its M = rows / G query rows: `decode_rows` and a product, without the decoded rows in memory."""
+@inline
+def _value_rows(probs, idx, first_j, last_j, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, z):
+    """z[b, m, :] = `weighted_value_rows`' sums over the selected tokens first_j <= j < last_j."""
     groups, rows, rank = z.shape
     lead = lead_codes.shape[2]
     # rows padded to whole 16-lane vectors: no scalar remainder in the product's loop
@@ -217,9 +230,11 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
     acc = np.empty((rows, padded), np.float32)
     for g in range(groups):
         codes_g, scale_g = lead_codes[g], lead_scale[g]
-        acc[:] = 0.0
-        for start in range(0, k, TOKENS):
-            size = min(TOKENS, k - start)
+        for m in range(rows):
+            for c in range(padded):
+                acc[m, c] = 0.0
+        for start in range(first_j, last_j, TOKENS):
+            size = min(TOKENS, last_j - start)
             for b in range(size):
                 t = idx[start + b]
                 s = as_f32(scale_g[t])
@@ -242,6 +257,28 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
         for m in range(rows):
             for c in range(rank):
                 z[g, m, c] = acc[m, c]
+
+
+@split_kernel
+def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, z,
+                        parts):
+    """z[b, m, :] = the sum over j < k of probs[b * M + m, j] times the decoded value coefficients of token
+    idx[j] (lead_codes [G, N, lead] times their scale, then the lower bands), for each basis group b of the
+    G and its M = rows / G query rows: `decode_rows` and a product, without the decoded rows in memory.
+    The tokens split into `parts` runs, one a thread, whose sums are added."""
+    zparts = np.empty((parts,) + z.shape, np.float32)
+    span = -(-k // (parts * TOKENS)) * TOKENS
+    for p in prange(parts):
+        _value_rows(probs, idx, min(k, p * span), min(k, (p + 1) * span), lead_codes, lead_scale, tail_codes,
+                    tail_steps, bits, widths, zparts[p])
+    groups, rows, rank = z.shape
+    for g in range(groups):
+        for m in range(rows):
+            for c in range(rank):
+                total = np.float32(0.0)
+                for p in range(parts):
+                    total += zparts[p, g, m, c]
+                z[g, m, c] = total
 
 
 @inline

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from s4r.kernels import jit
-from s4r.kernels.jit import inline, kernel, numba, rotated_logits
+from s4r.kernels.jit import inline, numba, prange, rotated_logits, split_kernel
 
 TILE = 16  # tokens whose sums stay in L1 between the product and the rotation
 TOKENS = 4  # tokens an instruction run takes at once: each basis load serves four
@@ -167,22 +167,35 @@ def _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, co
                        row_scale[:, j0:j1], out[:, j0:j1], half)
 
 
-@kernel
+@inline
+def _key_logits_run(q, codes, packed, start, idx, lo, hi, pos0, coarse, fine, scaling, col_scale, row_scale,
+                    out, tile):
+    """`_key_logits` of the selected tokens lo <= j < hi, the head size's half a constant where it is a
+    common one: loops of a known trip count vectorize whole (as `rotated_key_logits`)."""
+    half = q.shape[2] // 2
+    src, mine, dst, scale = codes[:, lo:], idx[lo:hi], out[:, lo:hi], row_scale[:, lo:hi]
+    if half == 32:
+        _key_logits(q, src, packed, start, mine, hi - lo, pos0, coarse, fine, scaling, col_scale, scale, dst,
+                    tile, 32)
+    elif half == 64:
+        _key_logits(q, src, packed, start, mine, hi - lo, pos0, coarse, fine, scaling, col_scale, scale, dst,
+                    tile, 64)
+    else:
+        _key_logits(q, src, packed, start, mine, hi - lo, pos0, coarse, fine, scaling, col_scale, scale, dst,
+                    tile, half)
+
+
+@split_kernel
 def vnni_key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
-                    tile):
+                    tiles, parts):
     """Logits out[r, j] of the query rows q [H, M, d] on the keys of the tokens idx[:k] rebuilt from their
     int8 rows codes [B, >=k rounded up to TOKENS, 4 * quads] (`decode_rows_int8`; the bytes past the rank
     are read and cancel against the packed basis' zeros, the rows past k are read and their sums unused)
     and the packed basis (`pack_basis`: packed [B, quads, W, 4], start [B, W]; W a multiple of 16), scaled
     by col_scale [B, W] and row_scale [B, >=k] and rotated to their positions idx[j] + pos0 as
-    `rotated_key_logits` does. tile: int32 scratch [B, TILE, W]."""
-    half = q.shape[2] // 2
-    if half == 32:  # loops of a known trip count vectorize whole (as `rotated_key_logits`)
-        _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
-                    tile, 32)
-    elif half == 64:
-        _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
-                    tile, 64)
-    else:
-        _key_logits(q, codes, packed, start, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out,
-                    tile, half)
+    `rotated_key_logits` does. The tokens split into `parts` runs of whole tiles, one a thread, each with
+    its int32 scratch tiles[p] [B, TILE, W]."""
+    span = -(-k // (parts * TILE)) * TILE
+    for p in prange(parts):
+        _key_logits_run(q, codes, packed, start, idx, min(k, p * span), min(k, (p + 1) * span), pos0, coarse,
+                        fine, scaling, col_scale, row_scale, out, tiles[p])
