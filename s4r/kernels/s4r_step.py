@@ -59,7 +59,7 @@ from s4r.kernels.vnni_keys import vnni_key_logits
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
 BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
-# the least work split over threads: a thread woken for less costs more than it saves (BENCHMARKS.md, threads)
+# the least work split over threads: below it a split gained nothing measurable (BENCHMARKS.md, "Two threads")
 SPLIT_SCORED, SPLIT_SELECTED = 16384, 1024  # stored tokens scored, selected tokens rebuilt
 _NO_OUTLIERS = np.zeros(0, np.int32)
 
