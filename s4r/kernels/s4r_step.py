@@ -281,12 +281,12 @@ def _blocks(k: int, block: int):
 
 
 def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray, scaling: float,
-                 rows: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 rows: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
     seg, v, scratch = part.layer, part.views, part.scratch
     heads, d = seg.heads, seg.head_dim
     nrows = heads * rows
     k = idx.shape[0]
-    parts = parts if k >= SPLIT_SELECTED else 1
+    split = split if k >= SPLIT_SELECTED else 1
     # a copy (contiguous): the scratch `idx` views serves the next layer, this one keeps its choice
     idx = seg.selected = idx.copy()
     seg.rebuilt_tokens += k
@@ -304,11 +304,11 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
             coefs, coefs_np = scratch.view("coefs", (groups, sel.shape[1], cols), torch.int8)
             row_scale = scratch.np("row_scale", (groups, sel.shape[1]))
             decode_rows_int8(idx, k, v.ck, v.sk, v.tk, v.tsk, v.bits_k, v.widths_k, coefs_np[..., :rk],
-                             row_scale, parts)
+                             row_scale, split)
             if vnni:
-                tiles = scratch.np("key_tiles", (parts, groups, vnni_keys.TILE, width), torch.int32)
+                tiles = scratch.np("key_tiles", (split, groups, vnni_keys.TILE, width), torch.int32)
                 vnni_key_logits(q, coefs_np, v.packed, v.start, idx, k, pos0, coarse, fine, scaling,
-                                v.col_scale, row_scale, sel, tiles, parts)
+                                v.col_scale, row_scale, sel, tiles, split)
             for start, end, pad in _blocks(0 if vnni else k, BLOCK):
                 sums, keys_np = scratch.view("sums", (groups, pad, width), torch.int32)
                 for g in range(groups):
@@ -345,7 +345,7 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
             value_rows_product(sel, k, decoded, z)
             add_value_basis_product(z.reshape(nrows, v.rv), v.blocks_v, out_np)
         else:
-            weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z, parts)
+            weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z, split)
             add_value_basis(z.reshape(nrows, v.rv), v.blocks_v, out_np)
     return torch.from_numpy(out_np), torch.from_numpy(lse_np)
 

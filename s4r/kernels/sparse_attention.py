@@ -266,19 +266,17 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
     idx[j] (lead_codes [G, N, lead] times their scale, then the lower bands), for each basis group b of the
     G and its M = rows / G query rows: `decode_rows` and a product, without the decoded rows in memory.
     The tokens split into `parts` runs, one a thread, whose sums are added."""
+    if parts == 1:  # one run sums straight into z
+        _value_rows(probs, idx, 0, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, z)
+        return
     zparts = np.empty((parts,) + z.shape, np.float32)
     span = -(-k // (parts * TOKENS)) * TOKENS
     for p in prange(parts):
         _value_rows(probs, idx, min(k, p * span), min(k, (p + 1) * span), lead_codes, lead_scale, tail_codes,
                     tail_steps, bits, widths, zparts[p])
-    groups, rows, rank = z.shape
-    for g in range(groups):
-        for m in range(rows):
-            for c in range(rank):
-                total = np.float32(0.0)
-                for p in range(parts):
-                    total += zparts[p, g, m, c]
-                z[g, m, c] = total
+    z[...] = zparts[0]
+    for p in range(1, parts):
+        z += zparts[p]
 
 
 @inline
