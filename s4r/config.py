@@ -122,9 +122,13 @@ class S4RConfig:
     pool_kernel: int = 7
     pool: Literal["avg", "max"] = "max"
     query_window: int = 32
+    # a block of queries shorter than `dense_queries` (a question's prompt) shares one selection, scored by
+    # its last `prompt_window` queries (`scoring_queries`): 8 answered as every query did and runs the
+    # prompt faster (docs/design.md, "Blocks of queries")
+    prompt_window: int = 8
     # a step of at least this many queries (an appended document's 256-token blocks; its last, shorter block
     # too) attends every stored token, each rebuilt once for all its rows (`s4r.layers.lowrank_dense`); a
-    # shorter one (a question's prompt) shares one selection, scored by its last `query_window` queries.
+    # shorter one (a question's prompt) shares one selection, scored by its last `prompt_window` queries.
     # 0: always a selection; 2: prompts attend every token too, slower, with answers no measurably better
     # (docs/design.md, "Blocks of queries")
     dense_queries: int = 129
@@ -168,8 +172,8 @@ class S4RConfig:
             raise ValueError("key_share must be in (0, 1)")
         if self.dense_queries < 0:
             raise ValueError("dense_queries must be >= 0 (0: every step selects)")
-        if self.sinks < 0 or self.local_window < 0 or self.query_window < 1:
-            raise ValueError("sinks and local_window must be >= 0, query_window >= 1")
+        if self.sinks < 0 or self.local_window < 0 or self.query_window < 1 or self.prompt_window < 1:
+            raise ValueError("sinks and local_window must be >= 0, query_window and prompt_window >= 1")
         if self.sample_tokens is not None and self.sample_tokens < 1:
             raise ValueError("sample_tokens must be positive (or None for all tokens)")
         if not 0.0 <= self.outlier_fraction < 1.0:
@@ -277,6 +281,12 @@ class S4RConfig:
     def tails_normed(self) -> bool:
         """Whether the lower bands' columns are coded in units of their RMS (`tail_norm` or its preset)."""
         return self.high_ratio if self.tail_norm is None else self.tail_norm
+
+    def scoring_queries(self, queries: int) -> int:
+        """How many of a block's last `queries` score its selection: at most `query_window`, and at most
+        `prompt_window` where keys are rebuilt (post-RoPE keys take every row's logits from the scoring)."""
+        window = min(queries, self.query_window)
+        return min(window, self.prompt_window) if self.key_space == "pre_rope" else window
 
     def outlier_count(self, stored_tokens: int) -> int:
         """How many of `stored_tokens` are kept exact as outliers."""

@@ -36,6 +36,24 @@ def test_a_block_of_queries_is_the_eager_block(name, positions):
     assert layer.rebuilt_tokens == twin.rebuilt_tokens and layer.logical == twin.logical
 
 
+@pytest.mark.parametrize("name", ["pre-rope", "post-rope"])
+def test_a_prompt_window_scores_the_blocks_last_queries_in_both_steps(name):
+    """`prompt_window` picks the rows that score a block's selection, alike in the fused and the eager step;
+    post-RoPE keys take every row's logits from the scoring, so there every row still scores."""
+    q_heads, kv_heads = 9, 3
+    keys, values, queries = kv_data(kv_heads, q_heads, 700, torch.float32)
+    rope, chosen = rope_for(q_heads, kv_heads), {}
+    for window in (2, 32):
+        cfg = replace(CONFIGS[name], dense_queries=0, prompt_window=window)
+        assert cfg.scoring_queries(12) == (min(window, 12) if name == "pre-rope" else 12)
+        layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope)
+        fused, eager, twin = step_both(layer, q_heads, kv_heads, torch.float32, positions=12)
+        assert selected_sets(layer) == selected_sets(twin)
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+        chosen[window] = selected_sets(layer)
+    assert (chosen[2] != chosen[32]) == (name == "pre-rope")
+
+
 @pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
 def test_a_block_over_segments_is_the_eager_block(key_space):
     q_heads, kv_heads = 9, 3

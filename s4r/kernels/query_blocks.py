@@ -4,7 +4,7 @@ rows, and their latent values' share through the value basis, as matrix products
 than a decode step's few.
 
 Reference: the eager step's `LowRankLayer.exact_step` (the mask, `causal_mask`) and `_window_logits` (the
-scoring rows: the last `query_window` queries of the block), the same selection serving every row.
+scoring rows: the block's last queries, `S4RConfig.scoring_queries`), the same selection serving every row.
 """
 
 from __future__ import annotations

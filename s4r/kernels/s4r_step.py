@@ -71,7 +71,7 @@ def usable(layer, query: torch.Tensor) -> bool:
 
 def _usable_views(layer, query: torch.Tensor) -> _Views | None:
     """The layer's `_Views` where the fused step computes its attention of `query`, else None. A block of
-    queries shares one selection, scored by its last `query_window` queries as the eager step's; past
+    queries shares one selection, scored by its last queries as the eager step's (`scoring_queries`); past
     that window only where the keys are rebuilt (post-RoPE keys take every row's logits from scoring)."""
     positions = query.shape[2]
     if not positions or query.device.type != "cpu" or not layer._n:
@@ -206,8 +206,8 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     joint = thread_scratch(0)
     q = joint.np("query", (heads, rows, d))
     query_rows(as_numpy(query), q)
-    # the rows that score: the last `query_window` queries' (every row but in a long block)
-    window = min(positions, last.cfg.query_window)
+    # the rows that score: the block's last queries' (every row of a decode step)
+    window = last.cfg.scoring_queries(positions)
     qs = window_rows(q, heads, group, positions, window, joint.np("scoring", (heads, group * window, d)))
     srows = group * window
     nrows = heads * srows

@@ -2,7 +2,7 @@
 
 A step of many queries (a question's prompt, a block of an appended document) rebuilds the stored keys
 and values once for all its rows, so the rebuild's cost is shared, while a selection would serve every
-row with the tokens its last `query_window` queries chose. Here the layer's tokens are laid out as the
+row with the tokens its last `prompt_window` queries chose. Here the layer's tokens are laid out as the
 exact cache holds them (sinks, rebuilt tokens with the outliers' exact rows in place, buffer) and the
 block runs the exact cache's attention over them (`causal_attention`). `S4RConfig.dense_queries` says
 from how many queries a step does this; every block of a document being read does.

@@ -231,7 +231,7 @@ class LatentSelection:
         if self._rel is None and self.query_coef is not None:
             self._seed_relevance(step.coef_t, step.scale_k, step.scaling)
         q_len, q_lat = step.q_len, step.q_lat
-        window = min(q_len, self.cfg.query_window)
+        window = self.cfg.scoring_queries(q_len)
         n_rep = q_lat.shape[1] // q_len
 
         def last_rows(x: torch.Tensor) -> torch.Tensor:  # [H, n_rep * q_len, x] -> the window's rows
