@@ -249,14 +249,10 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "rebuild-fp32": {"rebuild_dtype": "float32"},
     # the eager decode step, the reference the fused CPU kernels are tested against
     "eager": {"kernels": "eager"},
-    # the question's prompt (one block of queries) through one selection instead of every stored token
-    # rebuilt (`dense_queries`)
-    "selected-prompts": {"dense_queries": 0},
-    "dense-prompts": {"dense_queries": 2},
-    # how many of a prompt's last queries score its selection (`prompt_window`, 8)
-    "prompt-window32": {"prompt_window": 32},
-    "prompt-window4": {"prompt_window": 4},
-    "prompt-window1": {"prompt_window": 1},
+    # the question's prompt through one selection or every stored token (`dense_queries`); how many of its
+    # last queries score the selection (`prompt_window`)
+    "selected-prompts": {"dense_queries": 0}, "dense-prompts": {"dense_queries": 2},
+    "prompt-window32": {"prompt_window": 32}, "prompt-window4": {"prompt_window": 4},
     # one basis per KV head instead of one per layer: a rebuild of heads-times fewer multiply-adds
     "head": {"granularity": "head"},
     # the conversation's opening (SmolLM2's default system prompt and template: 24 tokens) kept exact as
