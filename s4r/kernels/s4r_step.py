@@ -71,8 +71,9 @@ def usable(layer, query: torch.Tensor) -> bool:
 
 def _usable_views(layer, query: torch.Tensor) -> _Views | None:
     """The layer's `_Views` where the fused step computes its attention of `query`, else None. A block of
-    queries shares one selection, scored by its last queries as the eager step's (`scoring_queries`); past
-    that window only where the keys are rebuilt (post-RoPE keys take every row's logits from scoring)."""
+    queries shares one selection, scored by its last queries as the eager step's (`scoring_queries`); one
+    of more than `query_window` queries only where the keys are rebuilt (post-RoPE keys take every row's
+    logits from the scoring)."""
     positions = query.shape[2]
     if not positions or query.device.type != "cpu" or not layer._n:
         return None
