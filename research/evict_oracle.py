@@ -28,8 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from research.coding_floor import stored_tokens
-from research.coding_oracle import exact_copy
+from research.coding_oracle import oracle_forks
 from research.progress import ElapsedLog, measuring_parser
 from research.tuning import AnswerFit, answer_fit, paired_gap
 from s4r.bench.tasks import TUNING_BOOK, make_samples
@@ -101,8 +100,7 @@ def evicted_copy(staged: Session, s4r: Session, scores: list[torch.Tensor], prot
     """A fork of `staged` holding, per layer, the sinks and the `keep` share of the other tokens scored
     best, those as `s4r` stores them (rebuilt), at their own positions. With `residuals`, the
     `protect_share` of the non-sink tokens with the largest residual are kept whatever they score."""
-    stored = exact_copy(staged, lambda i, k, v: stored_tokens(s4r.cache.layers[i], k, v),
-                        s4r.cache.layers[0].sinks)
+    stored = oracle_forks(staged, s4r, 0, ("stored",))["stored"]
     for i, layer in enumerate(stored.cache.layers):
         keys, values = layer.keys_view[0], layer.values_view[0]  # [H, T, d]
         total, sinks = keys.shape[1], s4r.cache.layers[i].sinks
@@ -149,8 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for ratio in ratios:
                 s4r = staged.fork(method="s4r", ratio=ratio)
                 target = s4r.memory().ratio
-                stored = exact_copy(staged, lambda i, k, v, s=s4r: stored_tokens(s.cache.layers[i], k, v),
-                                    s4r.cache.layers[0].sinks)
+                stored = oracle_forks(staged, s4r, 0, ("stored",))["stored"]
                 rows[f"stored@{ratio:g}"] = (answer_fit(stored, sample), target)
                 rows[f"s4r@{ratio:g}"] = (answer_fit(s4r, sample), target)
                 for keep in keeps:

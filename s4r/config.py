@@ -128,7 +128,7 @@ class S4RConfig:
     prompt_window: int = 8
     # a step of at least this many queries (an appended document's 256-token blocks; its last, shorter block
     # too) attends every stored token, each rebuilt once for all its rows (`s4r.layers.lowrank_dense`); a
-    # shorter one (a question's prompt) shares one selection, scored by its last `prompt_window` queries.
+    # shorter one (a question's prompt) shares one selection (`prompt_window`).
     # 0: always a selection; 2: prompts attend every token too, slower, with answers no measurably better
     # (docs/design.md, "Blocks of queries")
     dense_queries: int = 129
