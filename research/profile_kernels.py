@@ -2,10 +2,12 @@
 inside the step, on real layers of a book prefill, with the step's floor beside.
 
     python -m research.profile_kernels --tokens 7600 --specs s4r@5,s4r-fast@5,s4r@2.5 --threads 1
+    python -m research.profile_kernels --tokens 32768 --prefill 7600 --specs s4r@5   # tiled, timing only
+    python -m research.profile_kernels --tokens 4021 --queries 23 --specs s4r@5      # a question's prompt
 
 Each kernel is wrapped with a clock (the step's own total is timed unwrapped too); `rest` is the step
 less its kernels: the int8 key products (torch), the update and the Python between kernels.
-The floor is `s4r.bench.floors.s4r_floor` (bytes the step must read, multiply-adds it must do).
+The floor is `s4r.bench.floors.s4r_floor` (bytes a one-query step must read, multiply-adds it must do).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from s4r.bench.decode_speed import book_ids, method_spec, staged_cache
+from s4r.bench.decode_speed import book_ids, method_spec, staged_cache, tiled
 from s4r.bench.floors import full_floor, s4r_floor
 from s4r.config import S4RConfig
 from s4r.core.budget import solve_ranks
@@ -29,7 +31,9 @@ from s4r.kernels import s4r_step
 KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "normaliser",
            "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows", "decode_rows_int8",
            "rotated_key_logits", "vnni_key_logits", "latent_key_logits", "softmax_exact_values",
-           "weighted_value_rows", "add_value_basis")
+           "weighted_value_rows", "add_value_basis", "query_rotations", "window_rows", "exact_logits_product",
+           "mask_later_tokens", "rotate_keys", "key_logits_product", "exact_values_product",
+           "value_rows_product", "add_value_basis_product")
 
 
 def clocked(times: dict[str, float], name: str, fn):
@@ -50,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="method@ratio, each method optionally with settings: s4r+granularity=head@5")
     parser.add_argument("--layers", default="5,15,25")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--queries", type=int, default=1, help="a block of this many queries (a prompt)")
     parser.add_argument("--book", default=None)
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill this many tokens and tile them up to --tokens (timing only)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bf16", help="model dtype: auto, bf16 or fp32")
     args = parser.parse_args(argv)
@@ -61,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     rope = model_rope_fn(loaded.model)
     layer_ids = [int(x) for x in args.layers.split(",")]
     with torch.inference_mode():
-        staged = staged_cache(loaded.model, book_ids(loaded.tokenizer, args.tokens, args.book))
+        ids = book_ids(loaded.tokenizer, args.prefill or args.tokens, args.book)
+        staged = staged_cache(loaded.model, ids)
+        if args.prefill:
+            staged = tiled(staged, args.tokens)
         print("| method | layer | selected | step, ms | " + " | ".join(KERNELS)
               + " | rest | exact attention, ms | floor: KB read, M multiply-adds |")
         print("|---" * (len(KERNELS) + 7) + "|")
@@ -76,13 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                 queries = staged_layer.queries[0]
                 plan = solve_ranks(staged.shape, cfg, keys.shape[1])
                 layer = compress_layer(keys, values, queries, cfg, plan.rank_k, plan.rank_v, rope)
-                query, new = queries[:, -1:].unsqueeze(0), keys[:, -1:].unsqueeze(0).clone()
+                block = args.queries
+                query, new = queries[:, -block:].unsqueeze(0), keys[:, -block:].unsqueeze(0).clone()
                 scaling = keys.shape[-1] ** -0.5
 
-                def step(layer=layer, query=query, new=new, scaling=scaling):
+                def step(layer=layer, query=query, new=new, scaling=scaling, block=block):
                     layer.update(new, new)
                     layer.attend(query, None, None, scaling)
-                    layer.truncate(layer.logical - 1)
+                    layer.truncate(layer.logical - block)
 
                 def timed(fn, repeats=args.repeats):
                     for _ in range(3):
