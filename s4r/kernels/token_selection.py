@@ -1,5 +1,6 @@
 """Which stored tokens a decode step rebuilds, fused (numba, CPU): a partial top-k by selection (no full
-sort), the adaptive count of `recon_drop`, and the forced local window.
+sort; over many candidates the cut is first bracketed through a sample of the scores), the adaptive count
+of `recon_drop`, and the forced local window.
 
 Reference: `LatentSelection.choose_tokens` with `s4r.core.selection.select_tokens`, `ranked_candidates`
 and `mass_budget`. Scores here are log relevance (`latent_scoring.pooled_relevance`), which rank the
@@ -8,6 +9,8 @@ lower index wins, where the reference's order is unspecified.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -83,6 +86,44 @@ def _budget_count(logits, lse, candmass, picked, front, count, drop, kept_all):
                 break
         need = max(need, left + 1)
     return need
+
+
+SAMPLED = 4096  # candidates from which the cut is bracketed through a sample first (`_sampled_cut`)
+SAMPLE = 1024  # scores in that sample
+
+
+@inline
+def _sampled_cut(scores, count, want, work):
+    """`_cut` of scores[:count] (not reordered) for want < count, Floyd-Rivest style: two values of an even
+    sample of SAMPLE scores bracket the want-th largest with a wide margin, one pass counts the scores above
+    the bracket and gathers those inside it into work[:count], and the selection runs on those alone.
+    (threshold, ties, found); found False where the bracket missed (then the caller cuts every score).
+    work: >= count + SAMPLE float32 scratch."""
+    sample = work[count : count + SAMPLE]
+    for i in range(SAMPLE):
+        sample[i] = scores[(i * count) // SAMPLE]
+    rank = want * SAMPLE / count  # the cut's expected rank in the sample, from the top
+    margin = 3.0 * math.sqrt(rank * (1.0 - want / count)) + 4.0
+    hi, lo = int(rank - margin), int(math.ceil(rank + margin))
+    upper = _kth_largest(sample, SAMPLE, hi - 1) if hi >= 1 else np.float32(np.inf)
+    lower = _kth_largest(sample, SAMPLE, lo - 1) if lo <= SAMPLE else np.float32(-np.inf)
+    above = 0
+    inside = 0
+    for t in range(count):
+        v = scores[t]
+        if v > upper:
+            above += 1
+        elif v >= lower:
+            work[inside] = v
+            inside += 1
+    if not above < want <= above + inside:
+        return np.float32(0.0), 0, False
+    threshold = _kth_largest(work, inside, want - above - 1)
+    ties = want - above
+    for j in range(inside):
+        if work[j] > threshold:
+            ties -= 1
+    return threshold, ties, True
 
 
 @inline
@@ -177,9 +218,13 @@ def choose_tokens(scores, total_n, k, k_max, forced, drop, budget, logits, lse, 
     want = min(k_max if use_budget else k, cand)
     count = 0
     if want > 0:
-        for t in range(cand):
-            work[t] = scores[t]
-        threshold, ties = _cut(work, cand, want)
+        found = False
+        if cand >= SAMPLED and want < cand:
+            threshold, ties, found = _sampled_cut(scores, cand, want, work)
+        if not found:
+            for t in range(cand):
+                work[t] = scores[t]
+            threshold, ties = _cut(work, cand, want)
         for t in range(cand):
             best, ties = _among_best(scores[t], threshold, ties)
             if best:
