@@ -88,6 +88,19 @@ def _budget_count(logits, lse, candmass, picked, front, count, drop, kept_all):
     return need
 
 
+@inline
+def _cut(vals, count, want):
+    """(threshold, ties) of the best `want` of vals[:count] (reordered): the want-th largest value, and how
+    many values equal to it are among the best (those met first, the lower indices, as `_among_best` takes
+    them)."""
+    threshold = _kth_largest(vals, count, want - 1)
+    ties = want
+    for j in range(count):
+        if vals[j] > threshold:
+            ties -= 1
+    return threshold, ties
+
+
 SAMPLED = 4096  # candidates from which the cut is bracketed through a sample first (`_sampled_cut`)
 SAMPLE = 1024  # scores in that sample
 
@@ -118,25 +131,8 @@ def _sampled_cut(scores, count, want, work):
             inside += 1
     if not above < want <= above + inside:
         return np.float32(0.0), 0, False
-    threshold = _kth_largest(work, inside, want - above - 1)
-    ties = want - above
-    for j in range(inside):
-        if work[j] > threshold:
-            ties -= 1
+    threshold, ties = _cut(work, inside, want - above)  # every score above the bracket is above the cut
     return threshold, ties, True
-
-
-@inline
-def _cut(vals, count, want):
-    """(threshold, ties) of the best `want` of vals[:count] (reordered): the want-th largest value, and how
-    many values equal to it are among the best (those met first, the lower indices, as `_among_best` takes
-    them)."""
-    threshold = _kth_largest(vals, count, want - 1)
-    ties = want
-    for j in range(count):
-        if vals[j] > threshold:
-            ties -= 1
-    return threshold, ties
 
 
 @inline
