@@ -4,6 +4,7 @@ inside the step, on real layers of a book prefill, with the step's floor beside.
     python -m research.profile_kernels --tokens 7600 --specs s4r@5,s4r-fast@5,s4r@2.5 --threads 1
     python -m research.profile_kernels --tokens 32768 --prefill 7600 --specs s4r@5   # tiled, timing only
     python -m research.profile_kernels --tokens 4021 --queries 23 --specs s4r@5      # a question's prompt
+    python -m research.profile_kernels -m qwen3-0.6b --random-weights --tokens 32768 --prefill 2048
 
 Each kernel is wrapped with a clock (the step's own total is timed unwrapped too); `rest` is the step
 less its kernels: the int8 key products (torch), the update and the Python between kernels.
@@ -32,8 +33,8 @@ KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "no
            "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows", "decode_rows_int8",
            "rotated_key_logits", "vnni_key_logits", "latent_key_logits", "softmax_exact_values",
            "weighted_value_rows", "add_value_basis", "query_rotations", "window_rows", "exact_logits_product",
-           "mask_later_tokens", "rotate_keys", "key_logits_product", "exact_values_product",
-           "value_rows_product", "add_value_basis_product")
+           "mask_later_tokens", "rotate_keys", "key_logits_product", "key_pair_logits",
+           "exact_values_product", "value_rows_product", "value_pair_rows", "add_value_basis_product")
 
 
 def clocked(times: dict[str, float], name: str, fn):
@@ -60,11 +61,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill this many tokens and tile them up to --tokens (timing only)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bf16", help="model dtype: auto, bf16 or fp32")
+    parser.add_argument("-m", "--model", default="smollm2-135m", help="a profile name or a model path")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the profile's shape with random weights (timing only)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from s4r.models.loading import load_model
 
-    loaded = load_model("smollm2-135m", dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, random_weights=args.random_weights)
     rope = model_rope_fn(loaded.model)
     layer_ids = [int(x) for x in args.layers.split(",")]
     with torch.inference_mode():

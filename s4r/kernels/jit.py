@@ -1,6 +1,6 @@
 """numba plumbing the kernels share: availability (one line logged, once), the compile decorator, bit casts,
-bf16 widening/rounding, a vectorizable exp, a row maximum, rotary angles composed from two tables and the
-query's logits on rebuilt keys turned by them.
+bf16 widening/rounding, a vectorizable exp, a row maximum, rotary angles composed from two tables, a rebuilt
+key turned by them and the query's logits on such keys.
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
@@ -201,6 +201,11 @@ if numba is not None:
         return np.uint16(bits >> np.uint32(16))
 
     @inline
+    def pair(a, b):
+        """The uint32 word of two bf16 values (`round_bf16` of float32 a, the low half, and of b)."""
+        return np.uint32(round_bf16(a)) | (np.uint32(round_bf16(b)) << np.uint32(16))
+
+    @inline
     def fast_exp(x):
         """exp(x) in float32 for x <= 0 (relative error below 2e-6), as a polynomial of 2^frac times a
         power of two built from its exponent bits: unlike `math.exp` it vectorizes."""
@@ -259,6 +264,21 @@ def compose_angles(p, coarse, fine, shift, half, ang):
         ca, sa, cb, sb = a[i], a[half + i], b[i], b[half + i]
         ang[i] = ca * cb - sa * sb
         ang[half + i] = sa * cb + ca * sb
+
+
+@inline
+def rotated_row(src, factor, cols, ang, half, width, row, rot):
+    """rot [W] = the rebuilt key src [W] (int32 sums or values) widened, scaled by factor * cols and turned
+    by the angles ang (`compose_angles`), each d-column head alike; `row`: a float32 scratch of W."""
+    d = 2 * half
+    for i in range(width):
+        row[i] = as_f32(src[i]) * (factor * cols[i])
+    for base in range(0, width, d):
+        for i in range(half):
+            x1, x2 = row[base + i], row[base + half + i]
+            c, s = ang[i], ang[half + i]
+            rot[base + i] = x1 * c - x2 * s
+            rot[base + half + i] = x2 * c + x1 * s
 
 
 @inline

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from s4r.kernels.jit import as_f32, compose_angles, fine_shift, inline, kernel
+from s4r.kernels.jit import compose_angles, fine_shift, inline, kernel, rotated_row
 
 PRODUCT_ROWS = 16  # query rows per KV head from which logits and value rows are matrix products
 # exact tokens from which a block's exact logits and values are products too: a document's blocks through the
@@ -98,19 +98,17 @@ def value_rows_product(probs: np.ndarray, k: int, decoded: np.ndarray, z: np.nda
 
 def add_value_basis_product(z: np.ndarray, basis: np.ndarray, out: np.ndarray) -> None:
     """out[h] += z's rows of head h (z [H * M, r_v], rows in head order) @ basis[h] [r_v, d]:
-    `add_value_basis` as one product a head."""
+    `add_value_basis` as one batched product over the heads."""
     heads, rows = out.shape[0], out.shape[1]
-    latent, blocks, dst = torch.from_numpy(z), torch.from_numpy(basis), torch.from_numpy(out)
-    for h in range(heads):
-        dst[h].addmm_(latent[h * rows : (h + 1) * rows], blocks[h])
+    latent = torch.from_numpy(z).view(heads, rows, z.shape[1])
+    torch.from_numpy(out).baddbmm_(latent, torch.from_numpy(basis))
 
 
 @inline
 def _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width):
-    d = 2 * half
     shift = fine_shift(fine)
     scaled = col_scale.shape[1] > 0
-    ang = np.empty(d, np.float32)
+    ang = np.empty(2 * half, np.float32)
     # each key widened and scaled into a local row, rotated into another, then copied out: loops over
     # local arrays vectorize (rotating from `keys` into `out` directly ran 4-5x slower)
     row = np.empty(width, np.float32)
@@ -119,17 +117,8 @@ def _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, ha
     for j in range(k):
         compose_angles(idx[j] + pos0, coarse, fine, shift, half, ang)
         for b in range(out.shape[0]):
-            src = keys[b, j]
             factor = row_scale[b, j] if scaled else np.float32(1.0)
-            cols = col_scale[b] if scaled else ones
-            for i in range(width):
-                row[i] = as_f32(src[i]) * (factor * cols[i])
-            for base in range(0, width, d):
-                for i in range(half):
-                    x1, x2 = row[base + i], row[base + half + i]
-                    c, s = ang[i], ang[half + i]
-                    rot[base + i] = x1 * c - x2 * s
-                    rot[base + half + i] = x2 * c + x1 * s
+            rotated_row(keys[b, j], factor, col_scale[b] if scaled else ones, ang, half, width, row, rot)
             dst = out[b, j]
             for i in range(width):
                 dst[i] = rot[i]
@@ -150,3 +139,4 @@ def rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out):
         _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 64, width)
     else:
         _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width)
+

@@ -16,7 +16,8 @@ import torch
 from s4r.core.int8_rebuild import int8_basis
 from s4r.core.rope import ANGLE_STEP, angle_parts
 from s4r.core.subspace import head_blocks
-from s4r.kernels import jit, vnni_keys
+from s4r.kernels import bf16_products, jit, vnni_keys
+from s4r.kernels.bf16_products import key_pair_logits, value_pair_rows
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
     combine_normalisers,
@@ -136,6 +137,8 @@ class _Views:
         self.lead, self.pool, self.drop = layer.plan_k.lead, cfg.pool_kernel, cfg.recon_drop
         self.chunk, self.expected, self.dtype = cfg.rope_chunk, cfg.rope_scoring == "expected", layer.dtype
         self.pre_rope = cfg.key_space == "pre_rope"
+        # a block's products of bf16 roundings where the model computes in bf16 (as its exact products do)
+        self.bf16_products = layer.dtype == torch.bfloat16 and bf16_products.available()
         self.rotary = layer.rope.rotary if self.pre_rope else None
         self.offset = getattr(layer.rope, "offset", 0)
         self.angles: tuple[np.ndarray, np.ndarray] | None = None
@@ -315,7 +318,7 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
                 for g in range(groups):
                     torch._int_mm(coefs[g, start : start + pad], v.rebuild_g[g], out=sums[g])
                 _key_logits(q, keys_np, idx[start:end], pos0, coarse, fine, scaling, v.col_scale,
-                            row_scale[:, start:end], sel[:, start:end], scratch)
+                            row_scale[:, start:end], sel[:, start:end], scratch, v.bf16_products)
         else:
             no_scale = scratch.np("row_scale", (groups, 0))
             for start, end, pad in _blocks(k, BLOCK):
@@ -328,7 +331,7 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
                 else:
                     torch.matmul(coefs, rebuild, out=keys)
                 _key_logits(q, keys_np, block, pos0, coarse, fine, scaling, v.col_scale, no_scale,
-                            sel[:, start:end], scratch)
+                            sel[:, start:end], scratch, v.bf16_products)
     else:
         qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - v.lead))
         np.multiply(part.qfull[:, v.lead:], np.float32(scaling), out=qtail)
@@ -343,7 +346,10 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
         if rows > PRODUCT_ROWS:  # a block of queries: the value rows decoded once, products a group/head
             decoded = scratch.np("value_rows", (v.groups_v, k, v.rv))
             decode_rows(idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, False, decoded)
-            value_rows_product(sel, k, decoded, z)
+            if v.bf16_products:
+                z = value_pair_rows(sel, k, decoded, nrows // v.groups_v, scratch.np)
+            else:
+                value_rows_product(sel, k, decoded, z)
             add_value_basis_product(z.reshape(nrows, v.rv), v.blocks_v, out_np)
         else:
             weighted_value_rows(sel, idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, z, split)
@@ -353,16 +359,18 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
 
 def _key_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int, coarse: np.ndarray,
                 fine: np.ndarray, scaling: float, col_scale: np.ndarray, row_scale: np.ndarray,
-                out: np.ndarray, scratch: Scratch) -> None:
+                out: np.ndarray, scratch: Scratch, bf16: bool) -> None:
     """`rotated_key_logits` of the rebuilt keys of the tokens idx into out; for a block of queries' many
-    rows the keys rotated once (`rotate_keys`) and one product a head."""
+    rows the keys rotated once (`rotate_keys`) and one product a head (of bf16 roundings with `bf16`)."""
     k = idx.shape[0]
     if q.shape[1] <= PRODUCT_ROWS:
         rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out)
-        return
-    rotated = scratch.np("rotated", (keys.shape[0], k, keys.shape[2]))
-    rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, rotated)
-    key_logits_product(q, rotated, k, scaling, out)
+    elif bf16:
+        key_pair_logits(q, keys, idx, pos0, coarse, fine, scaling, col_scale, row_scale, out, scratch.np)
+    else:
+        rotated = scratch.np("rotated", (keys.shape[0], k, keys.shape[2]))
+        rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, rotated)
+        key_logits_product(q, rotated, k, scaling, out)
 
 
 def attend_layer(layer, query: torch.Tensor, scaling: float,

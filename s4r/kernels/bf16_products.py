@@ -1,0 +1,309 @@
+"""Matrix products of bf16 pairs by the AVX512-BF16 dot-product instruction (`vdpbf16ps`, numba, CPU): a
+question's prompt multiplies its probabilities by the selected value rows and its query rows by the rebuilt
+keys at twice the fp32 rate, in a model whose compute dtype is bf16 (the full cache's exact products are
+bf16 there too).
+
+Reference: the same product in fp32 of the operands rounded to bf16 (`torch.matmul`); the instruction sums
+each pair's two products in fp32, so the two differ only by the order of fp32 additions. Operands are
+packed as 32-bit words of two bf16 values along the summed axis: the left one's rows (`pair_rows`), the
+right one's columns (`pair_columns`; `rotate_key_pairs` writes the rotated keys so). The instruction
+is emitted through an LLVM intrinsic (numba has no bf16 type; the IR names LLVM's), so it needs no C
+compiler; `available` keeps it off CPUs without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from s4r.kernels import jit
+from s4r.kernels.jit import compose_angles, fine_shift, inline, kernel, numba, pair, rotated_row
+
+ROWS = 4  # left rows an instruction run takes at once: each right-operand load serves four
+COLUMNS = 64  # output columns per run: four 16-lane accumulators for each of its rows
+
+_state: dict = {}
+
+
+def available() -> bool:
+    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-BF16 (a target named
+    through NUMBA_CPU_NAME or NUMBA_CPU_FEATURES may lack it: then never); `S4R_BF16_PRODUCTS=0` keeps
+    the fp32 products."""
+    if os.environ.get("S4R_BF16_PRODUCTS") == "0":
+        return False
+    if "bf16" not in _state:
+        ok = False
+        named = os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES")
+        if numba is not None and not named:
+            from llvmlite import binding
+
+            try:
+                features = binding.get_host_cpu_features()
+                ok = all(features.get(f, False) for f in ("avx512f", "avx512bf16"))
+            except RuntimeError:  # no feature list on this host
+                ok = False
+        _state["bf16"] = ok
+    return _state["bf16"] and jit.available()
+
+
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    class _BFloat(ir.Type):
+        """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
+
+        def _to_string(self) -> str:
+            return "bfloat"
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, _BFloat)
+
+        def __hash__(self) -> int:
+            return hash("bfloat")
+
+    def _run_codegen(rows: int, lanes: int):
+        """LLVM IR of `_run` over `rows` left rows and 16 * lanes columns."""
+
+        def codegen(context, builder, signature, args):
+            left, left_row, right, right_row, pairs, out, out_row, scale = args
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+            vf, vi, vb = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(_BFloat(), 32)
+            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vb, vb]),
+                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
+
+            def at(addr, offset, kind):
+                return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
+
+            entry = builder.block
+            loop, done = builder.append_basic_block("pairs"), builder.append_basic_block("pairs_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            p = builder.phi(i64)
+            p.add_incoming(ir.Constant(i64, 0), entry)
+            acc = []
+            for _ in range(rows * lanes):
+                phi = builder.phi(vf)
+                phi.add_incoming(ir.Constant(vf, [0.0] * 16), entry)
+                acc.append(phi)
+            words = []  # each left row's pair p, in every lane
+            for r in range(rows):
+                offset = builder.add(builder.mul(ir.Constant(i64, r), left_row),
+                                     builder.mul(p, ir.Constant(i64, 4)))
+                word = builder.load(at(left, offset, i32))
+                one = builder.insert_element(ir.Constant(vi, ir.Undefined), word, ir.Constant(i32, 0))
+                spread = builder.shuffle_vector(one, ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * 16))
+                words.append(builder.bitcast(spread, vb))
+            base = builder.add(right, builder.mul(p, right_row))
+            new = [None] * (rows * lanes)
+            for c in range(lanes):  # each right load serves every row
+                column = builder.bitcast(builder.load(at(base, ir.Constant(i64, 64 * c), vi), align=4), vb)
+                for r in range(rows):
+                    new[r * lanes + c] = builder.call(dot, [acc[r * lanes + c], words[r], column])
+            nxt = builder.add(p, ir.Constant(i64, 1))
+            body = builder.block
+            p.add_incoming(nxt, body)
+            for i in range(rows * lanes):
+                acc[i].add_incoming(new[i], body)
+            builder.cbranch(builder.icmp_signed("<", nxt, pairs), loop, done)
+            builder.position_at_end(done)
+            factor = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vf, ir.Undefined), scale, ir.Constant(i32, 0)),
+                ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * 16))
+            for r in range(rows):
+                dst = builder.add(out, builder.mul(ir.Constant(i64, r), out_row))
+                for c in range(lanes):
+                    builder.store(builder.fmul(new[r * lanes + c], factor),
+                                  at(dst, ir.Constant(i64, 64 * c), vf), align=4)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _run_signature():
+        return types.void(*([types.intp] * 7), types.float32)
+
+    @intrinsic
+    def _run(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
+        """out + r * out_row [COLUMNS] fp32 = scale * the ROWS left rows' words at left + r * left_row
+        (`pairs` words of two bf16) dotted with the right operand's COLUMNS columns (pair p's words at
+        right + p * right_row), the accumulators in registers through the loop over pairs (pairs >= 1)."""
+        return _run_signature(), _run_codegen(ROWS, COLUMNS // 16)
+
+    @intrinsic
+    def _run_row(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
+        """`_run` of one left row (a product's last rows)."""
+        return _run_signature(), _run_codegen(1, COLUMNS // 16)
+
+    @intrinsic
+    def _run_16(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
+        """`_run` over 16 columns (a product's last ones)."""
+        return _run_signature(), _run_codegen(ROWS, 1)
+
+    @intrinsic
+    def _run_row_16(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
+        """`_run` of one left row over 16 columns."""
+        return _run_signature(), _run_codegen(1, 1)
+else:  # pragma: no cover
+    def _run(*args):
+        raise RuntimeError("numba is not available")
+
+    _run_row = _run_16 = _run_row_16 = _run
+
+
+@kernel
+def pair_rows(x, k, out):
+    """out [M, >=ceil(k / 2)] uint32 = the rows of x [M, >=k] (fp32) as bf16 pairs along the row: word p of
+    row m holds x[m, 2p] and x[m, 2p + 1] (0 past k), rounded to nearest even."""
+    for m in range(x.shape[0]):
+        src, dst = x[m], out[m]
+        for p in range(k // 2):
+            dst[p] = pair(src[2 * p], src[2 * p + 1])
+        if k % 2:
+            dst[k // 2] = pair(src[k - 1], 0.0)
+
+
+@kernel
+def pair_columns(x, k, out):
+    """out [ceil(k / 2), N] uint32 = the columns of x [>=k, R] (fp32, R <= N) as bf16 pairs down the column:
+    word (p, c) holds x[2p, c] and x[2p + 1, c] (0 past k and past R)."""
+    width = x.shape[1]
+    for p in range((k + 1) // 2):
+        dst = out[p]
+        a = x[2 * p]
+        if 2 * p + 1 < k:
+            b = x[2 * p + 1]
+            for c in range(width):
+                dst[c] = pair(a[c], b[c])
+        else:
+            for c in range(width):
+                dst[c] = pair(a[c], 0.0)
+        for c in range(width, out.shape[1]):
+            dst[c] = 0
+
+
+@kernel
+def product(left, right, pairs, scale, out, n):
+    """out[m, :n] = scale * sum over p < pairs of left [M, >=pairs] (bf16 pairs) dotted with right
+    [>=pairs, >=n rounded up to 16] (bf16 pairs) at word p, products summed in fp32 (out [M, >=n] fp32,
+    rows of unit stride; nothing past column n written)."""
+    rows = left.shape[0]
+    a, b, dst, s = left.ctypes.data, right.ctypes.data, out.ctypes.data, np.float32(scale)
+    a_row, b_row, out_row = left.strides[0], right.strides[0], out.strides[0]
+    wide, whole = n - n % COLUMNS, rows - rows % ROWS
+    for c0 in range(0, wide, COLUMNS):  # a run of columns' right operand serves every row before the next
+        for m in range(0, whole, ROWS):
+            _run(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, dst + m * out_row + 4 * c0, out_row, s)
+        for m in range(whole, rows):
+            _run_row(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, dst + m * out_row + 4 * c0, out_row, s)
+    tail = np.empty((ROWS, 16), np.float32)  # a last run of fewer than 16 columns, copied out of here
+    for c0 in range(wide, n, 16):
+        cols, part = min(16, n - c0), n - c0 < 16
+        for m in range(0, rows, ROWS):
+            count = min(ROWS, rows - m)
+            to, to_row = (tail.ctypes.data, 64) if part else (dst + m * out_row + 4 * c0, out_row)
+            if count == ROWS:
+                _run_16(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, to, to_row, s)
+            else:
+                for r in range(count):
+                    _run_row_16(a + (m + r) * a_row, a_row, b + 4 * c0, b_row, pairs, to + r * to_row, to_row,
+                                s)
+            if part:
+                for r in range(count):
+                    for c in range(cols):
+                        out[m + r, c0 + c] = tail[r, c]
+
+
+@inline
+def _rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width):
+    shift = fine_shift(fine)
+    scaled = col_scale.shape[1] > 0
+    groups, words = out.shape[0], width // 2
+    ang = np.empty(2 * half, np.float32)
+    row = np.empty(width, np.float32)
+    rot = np.empty(width, np.float32)
+    ones = np.ones(width, np.float32)
+    tile = np.empty((groups, 16, words), np.uint32)  # 16 tokens' pairs, token by token, then transposed out
+    for j0 in range(0, k, 16):
+        count = min(16, k - j0)
+        for t in range(count):
+            compose_angles(idx[j0 + t] + pos0, coarse, fine, shift, half, ang)
+            for b in range(groups):
+                factor = row_scale[b, j0 + t] if scaled else np.float32(1.0)
+                rotated_row(keys[b, j0 + t], factor, col_scale[b] if scaled else ones, ang, half, width, row,
+                            rot)
+                dst = tile[b, t]
+                for p in range(words):
+                    dst[p] = pair(rot[2 * p], rot[2 * p + 1])
+        for t in range(count, 16):
+            tile[:, t] = 0
+        for b in range(groups):
+            if j0 + 16 <= out.shape[2]:  # a whole block: loops of a known trip count vectorize
+                for p in range(words):
+                    dst = out[b, p]
+                    for t in range(16):
+                        dst[j0 + t] = tile[b, t, p]
+            else:
+                for p in range(words):
+                    for j in range(j0, out.shape[2]):
+                        out[b, p, j] = tile[b, j - j0, p]
+
+
+@kernel
+def rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out):
+    """`rotate_keys` into bf16 pairs for `key_pair_logits`: out [B, W / 2, >=k rounded up to 16] uint32,
+    word (b, p, j) the rotated key j's columns 2p and 2p + 1 rounded to bf16 (0 past k, up to a multiple
+    of 16)."""
+    half, width = coarse.shape[1] // 2, keys.shape[2]
+    if half == 32 and width == 192:
+        _rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 32, 192)
+    elif half == 32:
+        _rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 32, width)
+    elif half == 64:
+        _rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 64, width)
+    else:
+        _rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width)
+
+
+Buffers = Callable[[str, tuple[int, ...], torch.dtype], np.ndarray]  # the step's scratch (`Scratch.np`)
+
+
+def _words(buffers: Buffers, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The buffer `name` of `shape` as uint32 words."""
+    return buffers(name, shape, torch.int32).view(np.uint32)
+
+
+def key_pair_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int, coarse: np.ndarray,
+                    fine: np.ndarray, scaling: float, col_scale: np.ndarray, row_scale: np.ndarray,
+                    out: np.ndarray, buffers: Buffers) -> None:
+    """`query_blocks.rotate_keys` then `query_blocks.key_logits_product` in bf16: the keys rotated into
+    bf16 pairs (`rotate_key_pairs`), the query rows rounded to bf16 too, one `product` a head."""
+    heads, rows, d = q.shape
+    k = idx.shape[0]
+    pairs = _words(buffers, "key_pairs", (keys.shape[0], keys.shape[2] // 2, -(-k // 16) * 16))
+    rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, pairs)
+    left = _words(buffers, "query_pairs", (rows, d // 2))
+    for h in range(heads):
+        right = pairs[0, h * d // 2 : (h + 1) * d // 2] if pairs.shape[0] == 1 else pairs[h]
+        pair_rows(q[h], d, left)
+        product(left, right, d // 2, scaling, out[h * rows : (h + 1) * rows], k)
+
+
+def value_pair_rows(probs: np.ndarray, k: int, decoded: np.ndarray, rows: int,
+                    buffers: Buffers) -> np.ndarray:
+    """`query_blocks.value_rows_product` in bf16: z [G, M, r_v] (a view of `buffers`), z[b, m] =
+    probs[b * M + m, :k] @ decoded[b, :k], both operands rounded to bf16, one `product` a group."""
+    groups, _, rank = decoded.shape
+    width = -(-rank // COLUMNS) * COLUMNS  # whole runs of columns; the padding's columns are zero
+    z = buffers("z_padded", (groups, rows, width), torch.float32)
+    left = _words(buffers, "prob_pairs", (rows, (k + 1) // 2))
+    right = _words(buffers, "value_pairs", ((k + 1) // 2, width))
+    for g in range(groups):
+        pair_rows(probs[g * rows : (g + 1) * rows], k, left)
+        pair_columns(decoded[g], k, right)
+        product(left, right, (k + 1) // 2, 1.0, z[g], width)
+    return z[..., :rank]
