@@ -83,15 +83,17 @@ def test_rotate_key_pairs_are_the_rotated_keys_in_bf16_pairs(d, width, k):
     assert (pairs[:, :, k:whole] == 0).all() and (pairs[:, :, whole:] == 0xFFFFFFFF).all()
 
 
-@pytest.mark.parametrize("positions", [20, 40])
-def test_a_bf16_block_with_pair_products_is_the_block_with_fp32_products(positions, monkeypatch):
-    """A bf16 layer's block of queries: the same tokens chosen with either product, and outputs within the
-    bf16 rounding of the keys, the probabilities and the value rows."""
+@pytest.mark.parametrize("name,positions", [("pre-rope-int8-rebuild", 20), ("pre-rope-int8-rebuild", 40),
+                                            ("pre-rope-model-rebuild", 20), ("per-head-bases", 20)])
+def test_a_bf16_block_with_pair_products_is_the_block_with_fp32_products(name, positions, monkeypatch):
+    """A bf16 layer's block of queries (int8 or bf16 rebuilt keys, one basis a layer or a head): the same
+    tokens chosen with either product, and outputs within the bf16 rounding of the keys, the probabilities
+    and the value rows."""
     from s4r.core.compress import compress_layer
     from tests.test_fused_kernels import CONFIGS, kv_data, rope_for, selected_sets, step_both
 
     q_heads, kv_heads = 9, 3
-    cfg = replace(CONFIGS["pre-rope-int8-rebuild"], dense_queries=0)
+    cfg = replace(CONFIGS[name], dense_queries=0)
     keys, values, queries = kv_data(kv_heads, q_heads, 700, torch.bfloat16)
     layer = compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
     twin = copy.deepcopy(layer)
