@@ -55,6 +55,8 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
+    from s4r.kernels.jit import ir_at, ir_loop, ir_splat
+
     class _BFloat(ir.Type):
         """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
 
@@ -77,49 +79,29 @@ if numba is not None:
             dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vb, vb]),
                                                  "llvm.x86.avx512bf16.dpbf16ps.512")
 
-            def at(addr, offset, kind):
-                return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
-
-            entry = builder.block
-            loop, done = builder.append_basic_block("pairs"), builder.append_basic_block("pairs_done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            p = builder.phi(i64)
-            p.add_incoming(ir.Constant(i64, 0), entry)
-            acc = []
-            for _ in range(rows * lanes):
-                phi = builder.phi(vf)
-                phi.add_incoming(ir.Constant(vf, [0.0] * 16), entry)
-                acc.append(phi)
-            words = []  # each left row's pair p, in every lane
-            for r in range(rows):
-                offset = builder.add(builder.mul(ir.Constant(i64, r), left_row),
-                                     builder.mul(p, ir.Constant(i64, 4)))
-                word = builder.load(at(left, offset, i32))
-                one = builder.insert_element(ir.Constant(vi, ir.Undefined), word, ir.Constant(i32, 0))
-                spread = builder.shuffle_vector(one, ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * 16))
-                words.append(builder.bitcast(spread, vb))
-            base = builder.add(right, builder.mul(p, right_row))
-            new = [None] * (rows * lanes)
-            for c in range(lanes):  # each right load serves every row
-                column = builder.bitcast(builder.load(at(base, ir.Constant(i64, 64 * c), vi), align=4), vb)
+            def step(p, acc):
+                words = []  # each left row's pair p, in every lane
                 for r in range(rows):
-                    new[r * lanes + c] = builder.call(dot, [acc[r * lanes + c], words[r], column])
-            nxt = builder.add(p, ir.Constant(i64, 1))
-            body = builder.block
-            p.add_incoming(nxt, body)
-            for i in range(rows * lanes):
-                acc[i].add_incoming(new[i], body)
-            builder.cbranch(builder.icmp_signed("<", nxt, pairs), loop, done)
-            builder.position_at_end(done)
-            factor = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(vf, ir.Undefined), scale, ir.Constant(i32, 0)),
-                ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * 16))
+                    offset = builder.add(builder.mul(ir.Constant(i64, r), left_row),
+                                         builder.mul(p, ir.Constant(i64, 4)))
+                    word = builder.load(ir_at(builder, left, offset, i32))
+                    words.append(builder.bitcast(ir_splat(builder, word, vi), vb))
+                base = builder.add(right, builder.mul(p, right_row))
+                new = [None] * (rows * lanes)
+                for c in range(lanes):  # each right load serves every row
+                    column = builder.load(ir_at(builder, base, ir.Constant(i64, 64 * c), vi), align=4)
+                    for r in range(rows):
+                        new[r * lanes + c] = builder.call(dot, [acc[r * lanes + c], words[r],
+                                                                builder.bitcast(column, vb)])
+                return new
+
+            new = ir_loop(builder, pairs, [ir.Constant(vf, [0.0] * 16)] * (rows * lanes), step)
+            factor = ir_splat(builder, scale, vf)
             for r in range(rows):
                 dst = builder.add(out, builder.mul(ir.Constant(i64, r), out_row))
                 for c in range(lanes):
                     builder.store(builder.fmul(new[r * lanes + c], factor),
-                                  at(dst, ir.Constant(i64, 64 * c), vf), align=4)
+                                  ir_at(builder, dst, ir.Constant(i64, 64 * c), vf), align=4)
             return context.get_dummy_value()
 
         return codegen

@@ -200,6 +200,41 @@ if numba is not None:
         bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
         return np.uint16(bits >> np.uint32(16))
 
+    def ir_at(builder, addr, offset, kind):
+        """LLVM IR: a pointer to `kind` at the integer address addr + offset (intrinsics' raw addresses)."""
+        return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
+
+    def ir_splat(builder, word, vector):
+        """LLVM IR: the scalar `word` in every lane of the vector type `vector`."""
+        one = builder.insert_element(ir.Constant(vector, ir.Undefined), word, ir.Constant(ir.IntType(32), 0))
+        lanes = ir.Constant(ir.VectorType(ir.IntType(32), vector.count), [0] * vector.count)
+        return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), lanes)
+
+    def ir_loop(builder, trip, first, body):
+        """LLVM IR of a counted loop over i < trip (an i64 value, at least 1) carrying the values `first`
+        through `body(i, values) -> values`; the last values, with the builder after the loop."""
+        i64 = ir.IntType(64)
+        entry = builder.block
+        loop, done = builder.append_basic_block("loop"), builder.append_basic_block("loop_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        carried = []
+        for value in first:
+            phi = builder.phi(value.type)
+            phi.add_incoming(value, entry)
+            carried.append(phi)
+        new = body(i, carried)
+        nxt = builder.add(i, ir.Constant(i64, 1))
+        end = builder.block
+        i.add_incoming(nxt, end)
+        for phi, value in zip(carried, new, strict=True):
+            phi.add_incoming(value, end)
+        builder.cbranch(builder.icmp_signed("<", nxt, trip), loop, done)
+        builder.position_at_end(done)
+        return new
+
     @inline
     def pair(a, b):
         """The uint32 word of two bf16 values (`round_bf16` of float32 a, the low half, and of b)."""

@@ -71,6 +71,8 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
+    from s4r.kernels.jit import ir_at, ir_loop, ir_splat
+
     def _sums_codegen(lanes: int):
         """LLVM IR of `_sums_four_tokens` over 16 * lanes columns."""
 
@@ -81,46 +83,30 @@ if numba is not None:
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
 
-            def at(addr, offset, kind):
-                return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
-
             def codes(t, q):  # token t's four codes of quad q, top bits flipped, in every lane
                 offset = builder.add(builder.mul(ir.Constant(i64, t), row),
                                      builder.mul(q, ir.Constant(i64, 4)))
-                word = builder.xor(builder.load(at(src, offset, i32), align=1), ir.Constant(i32, -0x7F7F7F80))
-                one = builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(vec, [0] * 16))
+                word = builder.load(ir_at(builder, src, offset, i32), align=1)
+                return ir_splat(builder, builder.xor(word, ir.Constant(i32, -0x7F7F7F80)), vec)
 
-            first = [builder.load(at(start, ir.Constant(i64, 64 * i), vec), align=4) for i in range(lanes)]
-            entry = builder.block
-            loop, done = builder.append_basic_block("quads"), builder.append_basic_block("quads_done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            q = builder.phi(i64)
-            q.add_incoming(ir.Constant(i64, 0), entry)
-            acc = []
-            for i in range(TOKENS * lanes):
-                phi = builder.phi(vec)
-                phi.add_incoming(first[i % lanes], entry)
-                acc.append(phi)
-            words = [codes(t, q) for t in range(TOKENS)]
-            base = builder.add(basis, builder.mul(q, stride))
-            new = [None] * (TOKENS * lanes)
-            for i in range(lanes):  # each basis load serves the four tokens
-                column = builder.load(at(base, ir.Constant(i64, 64 * i), vec), align=1)
-                for t in range(TOKENS):
-                    new[t * lanes + i] = builder.call(dpbusd, [acc[t * lanes + i], words[t], column])
-            nxt = builder.add(q, ir.Constant(i64, 1))
-            body = builder.block
-            q.add_incoming(nxt, body)
-            for i in range(TOKENS * lanes):
-                acc[i].add_incoming(new[i], body)
-            builder.cbranch(builder.icmp_signed("<", nxt, quads), loop, done)
-            builder.position_at_end(done)
+            def step(q, acc):
+                words = [codes(t, q) for t in range(TOKENS)]
+                base = builder.add(basis, builder.mul(q, stride))
+                new = [None] * (TOKENS * lanes)
+                for i in range(lanes):  # each basis load serves the four tokens
+                    column = builder.load(ir_at(builder, base, ir.Constant(i64, 64 * i), vec), align=1)
+                    for t in range(TOKENS):
+                        new[t * lanes + i] = builder.call(dpbusd, [acc[t * lanes + i], words[t], column])
+                return new
+
+            first = [builder.load(ir_at(builder, start, ir.Constant(i64, 64 * i), vec), align=4)
+                     for i in range(lanes)]
+            new = ir_loop(builder, quads, [first[i % lanes] for i in range(TOKENS * lanes)], step)
             for t in range(TOKENS):
                 out = builder.add(dst, builder.mul(ir.Constant(i64, t), dst_row))
                 for i in range(lanes):
-                    builder.store(new[t * lanes + i], at(out, ir.Constant(i64, 64 * i), vec), align=4)
+                    at = ir_at(builder, out, ir.Constant(i64, 64 * i), vec)
+                    builder.store(new[t * lanes + i], at, align=4)
             return context.get_dummy_value()
 
         return codegen
