@@ -102,7 +102,7 @@ def test_a_bf16_block_with_pair_products_is_the_block_with_fp32_products(name, p
     monkeypatch.setattr(bf16_products, "product", lambda *a: calls.append(1) or real(*a))
     paired, _, _ = step_both(layer, q_heads, kv_heads, torch.bfloat16, positions=positions)
     assert calls, "the block took no bf16 pair product"
-    monkeypatch.setitem(bf16_products._state, "bf16", False)
+    monkeypatch.setenv("S4R_BF16_PRODUCTS", "0")
     calls.clear()
     plain, _, _ = step_both(twin, q_heads, kv_heads, torch.bfloat16, positions=positions)
     assert not calls

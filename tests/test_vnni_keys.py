@@ -84,7 +84,7 @@ def test_without_vnni_the_int8_product_path_is_the_eager_step(block, monkeypatch
     from s4r.kernels import s4r_step
     from tests.test_fused_kernels import CONFIGS, kv_data, rope_for, selected_sets, step_both
 
-    monkeypatch.setitem(vnni_keys._state, "vnni", False)
+    monkeypatch.setattr(vnni_keys, "available", lambda: False)
     monkeypatch.setattr(s4r_step, "BLOCK", block)
     cfg = CONFIGS["pre-rope-int8-rebuild"]
     keys, values, queries = kv_data(3, 9, 700, torch.float32)
@@ -93,3 +93,13 @@ def test_without_vnni_the_int8_product_path_is_the_eager_step(block, monkeypatch
     assert s4r_step._views(layer).packed is None and layer.selected.shape[-1] > 3 * 64
     assert selected_sets(layer) == selected_sets(twin)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_instructions_are_never_assumed_for_a_target_numba_is_told_to_compile_for(monkeypatch):
+    """NUMBA_CPU_NAME (or NUMBA_CPU_FEATURES) may name a CPU without the host's instructions: then neither
+    the VNNI nor the bf16 kernels run, whatever the host has."""
+    from s4r.kernels import bf16_products, jit
+
+    monkeypatch.setattr(jit, "_state", {"warned": False, "failed": False})  # nothing found out yet
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")
+    assert not vnni_keys.available() and not bf16_products.available()

@@ -25,28 +25,14 @@ from s4r.kernels.jit import compose_angles, fine_shift, inline, kernel, numba, p
 ROWS = 4  # left rows an instruction run takes at once: each right-operand load serves four
 COLUMNS = 64  # output columns per run: four 16-lane accumulators for each of its rows
 
-_state: dict = {}
 
 
 def available() -> bool:
-    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-BF16 (a target named
-    through NUMBA_CPU_NAME or NUMBA_CPU_FEATURES may lack it: then never); `S4R_BF16_PRODUCTS=0` keeps
-    the fp32 products."""
+    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-BF16;
+    `S4R_BF16_PRODUCTS=0` keeps the fp32 products."""
     if os.environ.get("S4R_BF16_PRODUCTS") == "0":
         return False
-    if "bf16" not in _state:
-        ok = False
-        named = os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES")
-        if numba is not None and not named:
-            from llvmlite import binding
-
-            try:
-                features = binding.get_host_cpu_features()
-                ok = all(features.get(f, False) for f in ("avx512f", "avx512bf16"))
-            except RuntimeError:  # no feature list on this host
-                ok = False
-        _state["bf16"] = ok
-    return _state["bf16"] and jit.available()
+    return jit.compiles_for("avx512f", "avx512bf16") and jit.available()
 
 
 if numba is not None:

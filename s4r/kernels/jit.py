@@ -154,6 +154,25 @@ def int8_products() -> bool:
     return bool(_state["int8_products"])
 
 
+def compiles_for(*features: str) -> bool:
+    """Whether the CPU numba compiles for has every LLVM feature named (`avx512vnni`, `avx512bf16`): the
+    host's, never where NUMBA_CPU_NAME or NUMBA_CPU_FEATURES name another target (it may lack them; LLVM
+    aborts, not raises, compiling an instruction for a CPU without it)."""
+    if features not in _state:
+        ok = False
+        named = os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES")
+        if numba is not None and not named:
+            from llvmlite import binding
+
+            try:
+                host = binding.get_host_cpu_features()
+                ok = all(host.get(f, False) for f in features)
+            except RuntimeError:  # no feature list on this host
+                ok = False
+        _state[features] = ok
+    return bool(_state[features])
+
+
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of a CPU tensor; bf16 as uint16 bit patterns (widened by `as_f32`)."""
     if t.dtype == torch.bfloat16:

@@ -14,8 +14,6 @@ offset exactly. The instruction is emitted through an LLVM intrinsic, so it need
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -26,25 +24,11 @@ TILE = 16  # tokens whose sums stay in L1 between the product and the rotation
 TOKENS = 4  # tokens an instruction run takes at once: each basis load serves four
 COLUMNS = 64  # sum columns per instruction run: four 16-lane accumulators for each of its tokens
 
-_state: dict = {}
 
 
 def available() -> bool:
-    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-VNNI (a target named
-    through NUMBA_CPU_NAME or NUMBA_CPU_FEATURES may lack it: then never)."""
-    if "vnni" not in _state:
-        ok = False
-        named = os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES")
-        if numba is not None and not named:
-            from llvmlite import binding
-
-            try:
-                features = binding.get_host_cpu_features()
-                ok = all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
-            except RuntimeError:  # no feature list on this host
-                ok = False
-        _state["vnni"] = ok
-    return _state["vnni"] and jit.available()
+    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-VNNI."""
+    return jit.compiles_for("avx512f", "avx512bw", "avx512vnni") and jit.available()
 
 
 def serves(width: int) -> bool:
