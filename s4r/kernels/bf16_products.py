@@ -26,7 +26,6 @@ ROWS = 4  # left rows an instruction run takes at once: each right-operand load 
 COLUMNS = 64  # output columns per run: four 16-lane accumulators for each of its rows
 
 
-
 def available() -> bool:
     """Whether the fused kernels run here and the CPU numba compiles for has AVX512-BF16;
     `S4R_BF16_PRODUCTS=0` keeps the fp32 products."""
@@ -160,6 +159,9 @@ def product(left, right, pairs, scale, out, n):
     [>=pairs, >=n rounded up to 16] (bf16 pairs) at word p, products summed in fp32 (out [M, >=n] fp32,
     rows of unit stride; nothing past column n written)."""
     rows = left.shape[0]
+    if pairs < 1:  # the instruction runs take at least one pair
+        out[:, :n] = 0.0
+        return
     a, b, dst, s = left.ctypes.data, right.ctypes.data, out.ctypes.data, np.float32(scale)
     a_row, b_row, out_row = left.strides[0], right.strides[0], out.strides[0]
     wide, whole = n - n % COLUMNS, rows - rows % ROWS

@@ -1,6 +1,7 @@
-"""numba plumbing the kernels share: availability (one line logged, once), the compile decorator, bit casts,
-bf16 widening/rounding, a vectorizable exp, a row maximum, rotary angles composed from two tables, a rebuilt
-key turned by them and the query's logits on such keys.
+"""numba plumbing the kernels share: availability (one line logged, once, and the instructions numba
+compiles for), the compile decorator, bit casts, bf16 widening/rounding, a vectorizable exp, a row maximum,
+rotary angles composed from two tables, a rebuilt key turned by them and the query's logits on such keys,
+and the LLVM IR pieces of the kernels that emit instructions themselves (`vnni_keys`, `bf16_products`).
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.

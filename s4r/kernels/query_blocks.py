@@ -139,4 +139,3 @@ def rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out):
         _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, 64, width)
     else:
         _rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, out, half, width)
-
