@@ -256,11 +256,11 @@ def key_pair_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int,
     k = idx.shape[0]
     pairs = _words(buffers, "key_pairs", (keys.shape[0], keys.shape[2] // 2, -(-k // 16) * 16))
     rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, pairs)
-    left = _words(buffers, "query_pairs", (rows, d // 2))
+    left = _words(buffers, "query_pairs", (heads * rows, d // 2))
+    pair_rows(q.reshape(heads * rows, d), d, left)  # every head's rows at once
     for h in range(heads):
         right = pairs[0, h * d // 2 : (h + 1) * d // 2] if pairs.shape[0] == 1 else pairs[h]
-        pair_rows(q[h], d, left)
-        product(left, right, d // 2, scaling, out[h * rows : (h + 1) * rows], k)
+        product(left[h * rows : (h + 1) * rows], right, d // 2, scaling, out[h * rows : (h + 1) * rows], k)
 
 
 def value_pair_rows(probs: np.ndarray, k: int, decoded: np.ndarray, rows: int,
