@@ -30,10 +30,12 @@ def _words(x: torch.Tensor) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 69])
-@pytest.mark.parametrize("k,n", [(0, 20), (1, 1), (2, 16), (7, 17), (64, 64), (130, 113), (1536, 130)])
+@pytest.mark.parametrize("k,n", [(0, 20), (1, 1), (2, 16), (7, 17), (9, 40), (64, 64), (33, 96), (40, 112),
+                                 (130, 113), (1536, 130)])
 def test_product_is_the_product_of_bf16_roundings(rows, k, n):
-    """Rows in runs of four and alone, columns in runs of 64, of 16 and a last partial run, odd lengths
-    (a zero pair closes them): the fp32 sums of the rounded operands, nothing written past column n."""
+    """Rows in runs of four and alone, columns in runs of 64 and a last run of 16, 32, 48 or 64 (whole or
+    partial), odd lengths (a zero pair closes them): the fp32 sums of the rounded operands, nothing
+    written past column n."""
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     left, right = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g)
     pairs, width = (k + 1) // 2, -(-n // 16) * 16

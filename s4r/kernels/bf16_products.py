@@ -94,32 +94,29 @@ if numba is not None:
     def _run_signature():
         return types.void(*([types.intp] * 7), types.float32)
 
-    @intrinsic
-    def _run(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
-        """out + r * out_row [COLUMNS] fp32 = scale * the ROWS left rows' words at left + r * left_row
-        (`pairs` words of two bf16) dotted with the right operand's COLUMNS columns (pair p's words at
-        right + p * right_row), the accumulators in registers through the loop over pairs (pairs >= 1)."""
-        return _run_signature(), _run_codegen(ROWS, COLUMNS // 16)
+    def _run_intrinsic(rows: int, lanes: int):
+        """An intrinsic: out + r * out_row [16 * lanes] fp32 = scale * the `rows` left rows' words at
+        left + r * left_row (`pairs` words of two bf16) dotted with the right operand's 16 * lanes
+        columns (pair p's words at right + p * right_row), the accumulators in registers through the loop
+        over pairs (pairs >= 1)."""
 
-    @intrinsic
-    def _run_row(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
-        """`_run` of one left row (a product's last rows)."""
-        return _run_signature(), _run_codegen(1, COLUMNS // 16)
+        def run(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
+            return _run_signature(), _run_codegen(rows, lanes)
 
-    @intrinsic
-    def _run_16(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
-        """`_run` over 16 columns (a product's last ones)."""
-        return _run_signature(), _run_codegen(ROWS, 1)
+        run.__name__ = f"_run_{rows}x{16 * lanes}"
+        return intrinsic(run)
 
-    @intrinsic
-    def _run_row_16(typingctx, left, left_row, right, right_row, pairs, out, out_row, scale):
-        """`_run` of one left row over 16 columns."""
-        return _run_signature(), _run_codegen(1, 1)
+    # a product's runs: ROWS rows (or its last rows one at a time) over COLUMNS columns, and over its last
+    # 16, 32 or 48 columns
+    _run, _run_row = _run_intrinsic(ROWS, COLUMNS // 16), _run_intrinsic(1, COLUMNS // 16)
+    _run_16, _run_row_16 = _run_intrinsic(ROWS, 1), _run_intrinsic(1, 1)
+    _run_32, _run_row_32 = _run_intrinsic(ROWS, 2), _run_intrinsic(1, 2)
+    _run_48, _run_row_48 = _run_intrinsic(ROWS, 3), _run_intrinsic(1, 3)
 else:  # pragma: no cover
     def _run(*args):
         raise RuntimeError("numba is not available")
 
-    _run_row = _run_16 = _run_row_16 = _run
+    _run_row = _run_16 = _run_row_16 = _run_32 = _run_row_32 = _run_48 = _run_row_48 = _run
 
 
 @kernel
@@ -153,6 +150,28 @@ def pair_columns(x, k, out):
             dst[c] = 0
 
 
+@inline
+def _tail_run(lanes, rows, a, a_row, b, b_row, pairs, to, to_row, s):
+    """A product's last 16 * lanes columns (lanes 1-4) for `rows` left rows (ROWS or 1)."""
+    if rows == ROWS:
+        if lanes == 1:
+            _run_16(a, a_row, b, b_row, pairs, to, to_row, s)
+        elif lanes == 2:
+            _run_32(a, a_row, b, b_row, pairs, to, to_row, s)
+        elif lanes == 3:
+            _run_48(a, a_row, b, b_row, pairs, to, to_row, s)
+        else:
+            _run(a, a_row, b, b_row, pairs, to, to_row, s)
+    elif lanes == 1:
+        _run_row_16(a, a_row, b, b_row, pairs, to, to_row, s)
+    elif lanes == 2:
+        _run_row_32(a, a_row, b, b_row, pairs, to, to_row, s)
+    elif lanes == 3:
+        _run_row_48(a, a_row, b, b_row, pairs, to, to_row, s)
+    else:
+        _run_row(a, a_row, b, b_row, pairs, to, to_row, s)
+
+
 @kernel
 def product(left, right, pairs, scale, out, n):
     """out[m, :n] = scale * sum over p < pairs of left [M, >=pairs] (bf16 pairs) dotted with right
@@ -170,22 +189,24 @@ def product(left, right, pairs, scale, out, n):
             _run(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, dst + m * out_row + 4 * c0, out_row, s)
         for m in range(whole, rows):
             _run_row(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, dst + m * out_row + 4 * c0, out_row, s)
-    tail = np.empty((ROWS, 16), np.float32)  # a last run of fewer than 16 columns, copied out of here
-    for c0 in range(wide, n, 16):
-        cols, part = min(16, n - c0), n - c0 < 16
-        for m in range(0, rows, ROWS):
-            count = min(ROWS, rows - m)
-            to, to_row = (tail.ctypes.data, 64) if part else (dst + m * out_row + 4 * c0, out_row)
-            if count == ROWS:
-                _run_16(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, to, to_row, s)
-            else:
-                for r in range(count):
-                    _run_row_16(a + (m + r) * a_row, a_row, b + 4 * c0, b_row, pairs, to + r * to_row, to_row,
-                                s)
-            if part:
-                for r in range(count):
-                    for c in range(cols):
-                        out[m + r, c0 + c] = tail[r, c]
+    cols = n - wide
+    if cols == 0:
+        return
+    lanes, part = -(-cols // 16), cols % 16 != 0
+    tail = np.empty((ROWS, COLUMNS), np.float32)  # the last columns where n is not whole runs of 16
+    for m in range(0, rows, ROWS):
+        count = min(ROWS, rows - m)
+        to, to_row = (tail.ctypes.data, 4 * COLUMNS) if part else (dst + m * out_row + 4 * wide, out_row)
+        if count == ROWS:
+            _tail_run(lanes, ROWS, a + m * a_row, a_row, b + 4 * wide, b_row, pairs, to, to_row, s)
+        else:
+            for r in range(count):
+                _tail_run(lanes, 1, a + (m + r) * a_row, a_row, b + 4 * wide, b_row, pairs, to + r * to_row,
+                          to_row, s)
+        if part:
+            for r in range(count):
+                for c in range(cols):
+                    out[m + r, wide + c] = tail[r, c]
 
 
 @inline
@@ -268,7 +289,7 @@ def value_pair_rows(probs: np.ndarray, k: int, decoded: np.ndarray, rows: int,
     """`query_blocks.value_rows_product` in bf16: z [G, M, r_v] (a view of `buffers`), z[b, m] =
     probs[b * M + m, :k] @ decoded[b, :k], both operands rounded to bf16, one `product` a group."""
     groups, _, rank = decoded.shape
-    width = -(-rank // COLUMNS) * COLUMNS  # whole runs of columns; the padding's columns are zero
+    width = -(-rank // 16) * 16  # whole runs of 16 columns; the padding's columns are zero
     z = buffers("z_padded", (groups, rows, width), torch.float32)
     left = _words(buffers, "prob_pairs", (rows, (k + 1) // 2))
     right = _words(buffers, "value_pairs", ((k + 1) // 2, width))
