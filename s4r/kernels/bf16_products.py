@@ -106,8 +106,8 @@ if numba is not None:
         run.__name__ = f"_run_{rows}x{16 * lanes}"
         return intrinsic(run)
 
-    # a product's runs: ROWS rows (or its last rows one at a time) over COLUMNS columns, and over its last
-    # 16, 32 or 48 columns
+    # a product's runs: ROWS rows (or its last rows one at a time) over COLUMNS columns, its last 16, 32 or
+    # 48 columns in one narrower run
     _run, _run_row = _run_intrinsic(ROWS, COLUMNS // 16), _run_intrinsic(1, COLUMNS // 16)
     _run_16, _run_row_16 = _run_intrinsic(ROWS, 1), _run_intrinsic(1, 1)
     _run_32, _run_row_32 = _run_intrinsic(ROWS, 2), _run_intrinsic(1, 2)

@@ -66,11 +66,12 @@ class Scratch:
         hit = None if arrays is None else arrays.get((shape, dtype))
         if hit is not None:
             return hit
-        flat = self._flat(name, math.prod(shape), dtype)[1]
+        size = math.prod(shape)
+        flat = self._flat(name, size, dtype)[1]
         arrays = self._arrays.setdefault(name, {})
         if len(arrays) >= self.SHAPES:
             arrays.clear()
-        hit = arrays[(shape, dtype)] = flat[: math.prod(shape)].reshape(shape)
+        hit = arrays[(shape, dtype)] = flat[:size].reshape(shape)
         return hit
 
 
