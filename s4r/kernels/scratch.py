@@ -18,7 +18,9 @@ class Scratch:
     outgrows them; each name keeps the views of its last few shapes, so the shapes a step alternates
     between cost nothing."""
 
-    SHAPES = 8  # views kept per name (a name asked at a new shape every step keeps only its latest)
+    # views kept per name: a prompt's layers select a dozen different token counts (a name asked at a new
+    # shape every step keeps only its latest)
+    SHAPES = 16
 
     def __init__(self) -> None:
         self._bufs: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # name: (flat tensor, its numpy view)
