@@ -107,7 +107,7 @@ if numba is not None:
         return intrinsic(run)
 
     # a product's runs: ROWS rows (or its last rows one at a time) over COLUMNS columns, its last 16, 32 or
-    # 48 columns in one narrower run
+    # 48 columns in one narrower run (`_run_lanes`)
     _run, _run_row = _run_intrinsic(ROWS, COLUMNS // 16), _run_intrinsic(1, COLUMNS // 16)
     _run_16, _run_row_16 = _run_intrinsic(ROWS, 1), _run_intrinsic(1, 1)
     _run_32, _run_row_32 = _run_intrinsic(ROWS, 2), _run_intrinsic(1, 2)
@@ -151,8 +151,9 @@ def pair_columns(x, k, out):
 
 
 @inline
-def _tail_run(lanes, rows, a, a_row, b, b_row, pairs, to, to_row, s):
-    """A product's last 16 * lanes columns (lanes 1-4) for `rows` left rows (ROWS or 1)."""
+def _run_lanes(lanes, rows, a, a_row, b, b_row, pairs, to, to_row, s):
+    """A run of 16 * lanes columns (lanes 1-4: a product's last run may be narrower) for `rows` left rows
+    (ROWS or 1)."""
     if rows == ROWS:
         if lanes == 1:
             _run_16(a, a_row, b, b_row, pairs, to, to_row, s)
@@ -183,30 +184,23 @@ def product(left, right, pairs, scale, out, n):
         return
     a, b, dst, s = left.ctypes.data, right.ctypes.data, out.ctypes.data, np.float32(scale)
     a_row, b_row, out_row = left.strides[0], right.strides[0], out.strides[0]
-    wide, whole = n - n % COLUMNS, rows - rows % ROWS
-    for c0 in range(0, wide, COLUMNS):  # a run of columns' right operand serves every row before the next
-        for m in range(0, whole, ROWS):
-            _run(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, dst + m * out_row + 4 * c0, out_row, s)
-        for m in range(whole, rows):
-            _run_row(a + m * a_row, a_row, b + 4 * c0, b_row, pairs, dst + m * out_row + 4 * c0, out_row, s)
-    cols = n - wide
-    if cols == 0:
-        return
-    lanes, part = -(-cols // 16), cols % 16 != 0
-    tail = np.empty((ROWS, COLUMNS), np.float32)  # the last columns where n is not whole runs of 16
-    for m in range(0, rows, ROWS):
-        count = min(ROWS, rows - m)
-        to, to_row = (tail.ctypes.data, 4 * COLUMNS) if part else (dst + m * out_row + 4 * wide, out_row)
-        if count == ROWS:
-            _tail_run(lanes, ROWS, a + m * a_row, a_row, b + 4 * wide, b_row, pairs, to, to_row, s)
-        else:
-            for r in range(count):
-                _tail_run(lanes, 1, a + (m + r) * a_row, a_row, b + 4 * wide, b_row, pairs, to + r * to_row,
-                          to_row, s)
-        if part:
-            for r in range(count):
-                for c in range(cols):
-                    out[m + r, wide + c] = tail[r, c]
+    tail = np.empty((ROWS, COLUMNS), np.float32)  # a last run's columns where n is not whole runs of 16
+    for c0 in range(0, n, COLUMNS):  # a run of columns' right operand serves every row before the next
+        cols = min(COLUMNS, n - c0)
+        lanes, part = -(-cols // 16), cols % 16 != 0
+        for m in range(0, rows, ROWS):
+            count = min(ROWS, rows - m)
+            to, to_row = (tail.ctypes.data, 4 * COLUMNS) if part else (dst + m * out_row + 4 * c0, out_row)
+            if count == ROWS:
+                _run_lanes(lanes, ROWS, a + m * a_row, a_row, b + 4 * c0, b_row, pairs, to, to_row, s)
+            else:  # the last rows one at a time
+                for r in range(count):
+                    _run_lanes(lanes, 1, a + (m + r) * a_row, a_row, b + 4 * c0, b_row, pairs,
+                               to + r * to_row, to_row, s)
+            if part:
+                for r in range(count):
+                    for c in range(cols):
+                        out[m + r, c0 + c] = tail[r, c]
 
 
 @inline

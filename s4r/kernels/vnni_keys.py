@@ -25,7 +25,6 @@ TOKENS = 4  # tokens an instruction run takes at once: each basis load serves fo
 COLUMNS = 64  # sum columns per instruction run: four 16-lane accumulators for each of its tokens
 
 
-
 def available() -> bool:
     """Whether the fused kernels run here and the CPU numba compiles for has AVX512-VNNI."""
     return jit.compiles_for("avx512f", "avx512bw", "avx512vnni") and jit.available()
