@@ -29,12 +29,13 @@ from s4r.core.rope import model_rope_fn
 from s4r.hf.attention import causal_attention
 from s4r.kernels import s4r_step
 
-KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "normaliser",
-           "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows", "decode_rows_int8",
-           "rotated_key_logits", "vnni_key_logits", "latent_key_logits", "softmax_exact_values",
-           "weighted_value_rows", "add_value_basis", "query_rotations", "window_rows", "exact_logits_product",
-           "mask_later_tokens", "rotate_keys", "key_logits_product", "key_pair_logits",
-           "exact_values_product", "value_rows_product", "value_pair_rows", "add_value_basis_product")
+KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "vnni_latent_logits",
+           "normaliser", "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows",
+           "decode_rows_int8", "rotated_key_logits", "vnni_key_logits", "latent_key_logits",
+           "softmax_exact_values", "weighted_value_rows", "add_value_basis", "query_rotations",
+           "window_rows", "exact_logits_product", "mask_later_tokens", "rotate_keys", "key_logits_product",
+           "key_pair_logits", "exact_values_product", "value_rows_product", "value_pair_rows",
+           "add_value_basis_product")
 
 
 def clocked(times: dict[str, float], name: str, fn):

@@ -155,6 +155,9 @@ def int8_products() -> bool:
     return bool(_state["int8_products"])
 
 
+VNNI = ("avx512f", "avx512bw", "avx512vnni")  # the LLVM features the int8 dot-product kernels need
+
+
 def compiles_for(*features: str) -> bool:
     """Whether the CPU numba compiles for has every LLVM feature named (`avx512vnni`, `avx512bf16`): the
     host's, never where NUMBA_CPU_NAME or NUMBA_CPU_FEATURES name another target (it may lack them; LLVM

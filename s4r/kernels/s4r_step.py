@@ -16,7 +16,7 @@ import torch
 from s4r.core.int8_rebuild import int8_basis
 from s4r.core.rope import ANGLE_STEP, angle_parts
 from s4r.core.subspace import head_blocks
-from s4r.kernels import bf16_products, jit, vnni_keys
+from s4r.kernels import bf16_products, jit, vnni_keys, vnni_scoring
 from s4r.kernels.bf16_products import key_pair_logits, value_pair_rows
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
@@ -57,6 +57,7 @@ from s4r.kernels.sparse_attention import (
 )
 from s4r.kernels.token_selection import choose_tokens
 from s4r.kernels.vnni_keys import vnni_key_logits
+from s4r.kernels.vnni_scoring import vnni_latent_logits
 
 BUCKET = 128  # selected-token counts rounded up to this: a few product shapes serve every step
 BLOCK = 2048  # selected tokens rebuilt at a time (one block at 5x): bounds the scratch at long contexts
@@ -111,6 +112,7 @@ class _Views:
             return
         cfg = layer.cfg
         self.ck, self.sk, self.ek = as_numpy(layer._ck), as_numpy(layer._sk), as_numpy(layer._ek)
+        self.vnni_scoring = vnni_scoring.available() and self.ck.strides[2] == 1  # its tokens of unit stride
         self.cv, self.sv, self.ev = as_numpy(layer._cv), as_numpy(layer._sv), as_numpy(layer._ev)
         self.tk, self.tsk = tail_arrays(layer, keys=True)
         self.tv, self.tsv = tail_arrays(layer, keys=False)
@@ -215,11 +217,8 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     qs = window_rows(q, heads, group, positions, window, joint.np("scoring", (heads, group * window, d)))
     srows = group * window
     nrows = heads * srows
-    logits = joint.np("logits", (nrows, total_n))
-    scores = joint.np("scores", (total_n,))
-    rowmax = joint.np("rowmax", (len(segments), nrows))
-    rowsum = joint.np("rowsum", (len(segments), nrows))
-    candsum = joint.np("candsum", (len(segments), nrows))
+    logits, scores = joint.np("logits", (nrows, total_n)), joint.np("scores", (total_n,))
+    rowmax, rowsum, candsum = (joint.np(nm, (len(segments), nrows)) for nm in ("rowmax", "rowsum", "candsum"))
     lse, candmass = joint.np("lse", (nrows,)), joint.np("candmass", (nrows,))
     k, k_max, forced = 0, 0, 0
     for seg in segments:
@@ -246,7 +245,8 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
             mask_later_tokens(el, seg, heads, positions)
         els = window_rows(el, heads, group, positions, window, scratch.np("el_scoring", (nrows, e)))
         scored_split = split if n >= SPLIT_SCORED else 1
-        latent_logits(q8, qscale, bounds, v.ck, v.sk, n, srows, logits, off, scored_split)
+        score = vnni_latent_logits if v.vnni_scoring else latent_logits
+        score(q8, qscale, bounds, v.ck, v.sk, n, srows, logits, off, scored_split)
         cand = min(max(cand_total - off, 0), n)
         normaliser(logits, off, n, els, seg.sinks, seg._n_out, e, v.out_idx, cand, rowmax[i], rowsum[i],
                    candsum[i], scratch.np("keep", (n,)), scored_split)

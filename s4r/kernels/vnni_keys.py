@@ -27,7 +27,7 @@ COLUMNS = 64  # sum columns per instruction run: four 16-lane accumulators for e
 
 def available() -> bool:
     """Whether the fused kernels run here and the CPU numba compiles for has AVX512-VNNI."""
-    return jit.compiles_for("avx512f", "avx512bw", "avx512vnni") and jit.available()
+    return jit.compiles_for(*jit.VNNI) and jit.available()
 
 
 def serves(width: int) -> bool:
