@@ -12,7 +12,7 @@ from s4r.core.int8_rebuild import int8_basis, int8_keys, int8_rows
 from s4r.core.rope import half_angles, rotate_dim_major
 from s4r.core.subspace import head_blocks
 from s4r.core.tail_planes import decode_planar, gather_token_rows, planar_basis, plane_map
-from s4r.kernels import jit
+from s4r.kernels import jit, triton_rebuild
 
 # the selected-token counts a model-dtype rebuild rounds up to (see `_model_dtype_key_logits`)
 REBUILD_BUCKET = 128
@@ -22,7 +22,10 @@ class KeyRebuild:
     """The selected pre-RoPE keys of a `LowRankLayer` rebuilt and dotted with the query (a mixin of it)."""
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
-        """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query."""
+        """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query
+        (on a GPU in one Triton kernel where it serves, `s4r.kernels.triton_rebuild`)."""
+        if (fused := triton_rebuild.key_logits(self, qf, idx, scaling)) is not None:
+            return fused
         if self.rebuild_int8:
             return self._int8_key_logits(qf, idx, scaling)
         if self.rebuild_dtype != torch.float32:
