@@ -13,6 +13,7 @@ row j*q + i = head j, position i), N stored tokens, G basis groups (H per-head b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -143,19 +144,36 @@ def gather_value_rows(coef_v: torch.Tensor, scale_v: torch.Tensor | None,
     return rows, None if scale_v is None else torch.gather(scale_v, 1, idx)
 
 
+def weighted_value_rows(p_sel: torch.Tensor, value_rows: torch.Tensor, value_scale: torch.Tensor | None,
+                        tail: WeightedTail | None = None) -> torch.Tensor:
+    """z [H, M, r_v] (fp32): the selected tokens' value coefficients weighted by their probabilities p_sel
+    [H, M, k]; their rows `value_rows` [H or 1, k, r_lead] (scales [H or 1, k]; 1: the same tokens for
+    every head) and, with `tail`, their lower coefficient bands (the basis columns after r_lead)."""
+    weights = p_sel if value_scale is None else p_sel * value_scale.float().unsqueeze(1)
+    rows = value_rows.float()
+    if rows.shape[0] == 1:  # one token set for every head: a single [H*M, k] x [k, r] product
+        heads, m, k = weights.shape
+        z = torch.matmul(weights.reshape(heads * m, k), rows[0]).view(heads, m, -1)
+    else:
+        z = torch.matmul(weights, rows)  # [H, M, r_lead]
+    if tail is not None:  # the probabilities themselves: the int8 scales belong to the lead rows
+        z = torch.cat([z, tail.weighted(p_sel)], dim=-1)
+    return z
+
+
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
-                     value_rows: torch.Tensor, value_scale: torch.Tensor | None,
-                     value_blocks: torch.Tensor, tail: WeightedTail | None = None, *,
-                     with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     value_rows: torch.Tensor | None, value_scale: torch.Tensor | None,
+                     value_blocks: torch.Tensor, tail: WeightedTail | None = None, *, with_lse: bool = False,
+                     weighted: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One softmax over exact and latent tokens: (output [H, M, d] in fp32, the logsumexp of the
     logits [H, M] when `with_lse`, else None).
 
     exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
-    the selected latent tokens, whose value coefficients are `value_rows` [H or 1, k, r_lead] (scales
-    [H or 1, k]; 1: the same tokens for every head) and, with `tail`, their lower coefficient bands
-    (the basis columns after the first r_lead); value_blocks [H, d, r_v] is each KV head's block of the
-    value basis. The logsumexp lets attention over several token sets (segments of a cache with bases
-    of their own) be merged exactly (`merge_partial_attention`).
+    the selected latent tokens, whose value coefficients `weighted_value_rows` weighs (value_rows,
+    value_scale, tail), or `weighted` (p_sel -> z, a GPU's kernel) where given; value_blocks [H, d, r_v]
+    is each KV head's block of the value basis. The logsumexp lets attention over several token sets
+    (segments of a cache with bases of their own) be merged exactly (`merge_partial_attention`).
     """
     e = exact_logits.shape[-1]
     logits = torch.cat([exact_logits, sel_logits], dim=-1)
@@ -165,16 +183,8 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
     p_exact, p_sel = probs[..., :e], probs[..., e:]
     # fp32 throughout: small bf16 matmuls cost more than fp32 ones on CPU, casts included
     out = torch.matmul(p_exact, exact_v.float())
-    if value_rows.shape[1]:
-        weights = p_sel if value_scale is None else p_sel * value_scale.float().unsqueeze(1)
-        rows = value_rows.float()
-        if rows.shape[0] == 1:  # one token set for every head: a single [H*M, k] x [k, r] product
-            heads, m, k = weights.shape
-            z = torch.matmul(weights.reshape(heads * m, k), rows[0]).view(heads, m, -1)
-        else:
-            z = torch.matmul(weights, rows)  # [H, M, r_lead]
-        if tail is not None:  # the probabilities themselves: the int8 scales belong to the lead rows
-            z = torch.cat([z, tail.weighted(p_sel)], dim=-1)
+    if sel_logits.shape[-1]:
+        z = weighted(p_sel) if weighted else weighted_value_rows(p_sel, value_rows, value_scale, tail)
         out += torch.matmul(z, value_blocks.float().transpose(1, 2))
     return out, lse
 

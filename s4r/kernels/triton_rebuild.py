@@ -1,74 +1,37 @@
 """The selected pre-RoPE keys of an S4R layer rebuilt, rotated and dotted with the query in one Triton kernel
-(a GPU's decode step; checked on a CPU by Triton's interpreter, `TRITON_INTERPRET=1`).
+(a GPU's decode step; checked on a CPU by Triton's interpreter, `s4r.kernels.triton_support`).
 
 Reference: `KeyRebuild._rebuilt_key_logits` (`s4r.layers.lowrank_rebuild`), which runs a dozen tensor
 operations for it. A program takes one KV head and `BLOCK` selected tokens: their int8 lead codes times
-their scale and their lower bands decoded (code c of a b-bit band sits at bit (c * b) % 8 of byte c * b // 8,
-`coef_bands`' packing) form the coefficient tile; the head's block of the key basis times it gives each half
-of the keys' dimensions; the tokens' angles (from the rotary frequencies) turn them; the head's query rows
-dot them. The keys never reach memory. In a bf16 or fp16 model the coefficients, the basis and the keys
-are rounded to its dtype, as the reference's product in the model's dtype rounds them.
+their scale and their lower bands decoded (`tail_values`) form the coefficient tile; the head's block of the
+key basis times it gives each half of the keys' dimensions; the tokens' angles (from the rotary
+frequencies) turn them; the head's query rows dot them. The keys never reach memory. In a bf16 or fp16
+model the coefficients, the basis and the keys are rounded to its dtype, as the reference's product in the
+model's dtype rounds them.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-try:
-    import triton
+from s4r.kernels.triton_support import columns, interpreting, launch, next_power, serves, tails, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - the eager rebuild serves
-    triton = None
+
+    from s4r.kernels.triton_support import tail_values
 
 BLOCK = 32  # selected tokens a program rebuilds
-log = logging.getLogger("s4r.kernels")
-_state: dict[str, object] = {"failed": None}
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its kernels on the CPU (`TRITON_INTERPRET=1`: tests check the kernel so)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def usable(layer, idx: torch.Tensor) -> bool:
     """Whether the kernel rebuilds `layer`'s selected keys `idx` [B, k] (one token set for every head, or
-    one a head): Triton present (and not failed here), a CUDA device (or the interpreter), int8-coded
-    coefficients, a rotary embedding with static frequencies, a head size of 32 or more, a power of two."""
-    if triton is None or _state["failed"] is not None or layer._sk is None:
-        return False
-    if idx.shape[0] not in (1, layer.heads):
-        return False
-    if layer.basis_k.device.type != "cuda" and not interpreting():
-        return False
-    if interpreting() and layer.dtype == torch.float16:  # the interpreter emulates bf16 roundings only
+    one a head): the Triton kernels serve the layer (`serves`), its rotary embedding has static
+    frequencies and its head size is 32 or more, a power of two."""
+    if not serves(layer) or idx.shape[0] not in (1, layer.heads) or not hasattr(layer.rope, "rotary"):
         return False
     half = layer.head_dim // 2  # a power of two: the kernel's ranges are
-    if half < 16 or half & (half - 1) or layer._ck.stride(2) != 1 or layer._sk.stride(1) != 1:
-        return False
-    return hasattr(layer.rope, "rotary")
-
-
-def _next_power(n: int) -> int:
-    """The smallest power of two at least n and 16 (the least size of a Triton product's operand)."""
-    return max(16, 1 << max(0, n - 1).bit_length())
-
-
-def column_tables(plan, device: torch.device) -> torch.Tensor:
-    """int32 [5, T] for the T lower-band columns of `plan`: each one's byte in a token's packed codes, bit
-    shift, code mask, band, and the code's offset (2^b / 2 - 0.5, as fp32 bits)."""
-    rows: list[list[int]] = [[], [], [], [], []]
-    byte = 0
-    for band, (bits, width) in enumerate(plan.tails):
-        for c in range(width):
-            offset = torch.tensor((1 << bits) / 2 - 0.5, dtype=torch.float32).view(torch.int32).item()
-            for row, value in zip(rows, (byte + c * bits // 8, c * bits % 8, (1 << bits) - 1, band, offset),
-                                  strict=True):
-                row.append(value)
-        byte += width * bits // 8
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(5, -1)
+    return half >= 16 and not half & (half - 1) and layer._ck.stride(2) == 1 and layer._sk.stride(1) == 1
 
 
 if triton is not None:
@@ -118,16 +81,8 @@ if triton is not None:
         lead_coef = codes.to(tl.float32) * scale[None, :]
         tc = tl.arange(0, TP)
         tcm = tc < tail
-        byte = tl.load(cols_ptr + tc, mask=tcm, other=0)
-        shift = tl.load(cols_ptr + cols_r + tc, mask=tcm, other=0)
-        mask = tl.load(cols_ptr + 2 * cols_r + tc, mask=tcm, other=0)
-        band = tl.load(cols_ptr + 3 * cols_r + tc, mask=tcm, other=0)
-        offset = tl.load(cols_ptr + 4 * cols_r + tc, mask=tcm, other=0).to(tl.float32, bitcast=True)
-        tm = tcm[:, None] & jm[None, :]
-        raw = tl.load(tk_ptr + g * tk_g + tok[None, :] * tk_t + byte[:, None], mask=tm, other=0).to(tl.int32)
-        step = tl.load(tsk_ptr + g * tsk_g + tok[None, :] * tsk_t + band[:, None], mask=tm, other=0)
-        tail_coef = tl.where(tm, (((raw >> shift[:, None]) & mask[:, None]).to(tl.float32) - offset[:, None])
-                             * step.to(tl.float32), 0.0)
+        tail_coef = tail_values(tk_ptr + g * tk_g, tk_t, tsk_ptr + g * tsk_g, tsk_t, cols_ptr, cols_r,
+                                tc[:, None], tok[None, :], tcm[:, None] & jm[None, :])
         # each half of the head's key dimensions: its rows of the basis block times the tile
         di = tl.arange(0, HALF)
         base = basis_ptr + h * b_h
@@ -166,36 +121,22 @@ def key_logits(layer, qf: torch.Tensor, idx: torch.Tensor, scaling: float) -> to
     if k == 0:
         return out
     plan, rotary = layer.plan_k, layer.rope.rotary
-    memo = getattr(layer, "_triton_columns", None)
-    if memo is None or memo[0] is not plan:
-        memo = layer._triton_columns = (plan, column_tables(plan, qf.device))
-    cols = memo[1]
+    cols = columns(layer, plan)
     from s4r.core.subspace import head_blocks
 
-    blocks = head_blocks(layer.basis_k, heads)  # [H, d, r]
     dtype = layer.dtype if layer.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    blocks = blocks.to(dtype)
-    tk = layer._tk if layer._tk is not None else layer._ck.new_zeros(1, 1, 1).to(torch.uint8)
-    tsk = layer._tsk if layer._tsk is not None else blocks.new_zeros(1, 1, 1)
-    tail = sum(w for _, w in plan.tails)
+    blocks = head_blocks(layer.basis_k, heads).to(dtype)  # [H, d, r]
+    tk, tsk, tail = tails(layer, keys=True)
     q = qf.float().contiguous()
     idx_flat = idx.contiguous()
     idx_h = idx_flat.stride(0) if idx.shape[0] > 1 else 0  # one token set a head, or one for all
     pos0 = layer.sinks + getattr(layer.rope, "offset", 0)
     ck, sk, inv = layer._ck, layer._sk, rotary.inv_freq.float().contiguous()
-    grid = (heads, triton.cdiv(k, BLOCK))
-    try:
-        _key_logits_kernel[grid](
-            q, idx_flat, k, pos0, ck, sk, tk, tsk, cols, blocks, inv, float(rotary.attention_scaling),
-            float(scaling), out, int(ck.shape[0] > 1), rows, plan.lead, tail, idx_h, ck.stride(0),
-            ck.stride(1), sk.stride(0), tk.stride(0), tk.stride(1), tsk.stride(0), tsk.stride(1),
-            cols.stride(0), blocks.stride(0), blocks.stride(1), q.stride(0), q.stride(1), out.stride(1),
-            RP=_next_power(rows),
-            LP=_next_power(plan.lead), TP=_next_power(tail), HALF=d // 2, BLOCK_K=BLOCK,
-            ROUND=dtype != torch.float32, EMULATE=interpreting())
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here: the eager rebuild serves
-        _state["failed"] = exc
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        log.warning("s4r: Triton key rebuild off (%s: %s); using the eager path", type(exc).__name__, first)
-        return None
-    return out
+    ran = launch("key rebuild", _key_logits_kernel, (heads, triton.cdiv(k, BLOCK)),
+                 q, idx_flat, k, pos0, ck, sk, tk, tsk, cols, blocks, inv, float(rotary.attention_scaling),
+                 float(scaling), out, int(ck.shape[0] > 1), rows, plan.lead, tail, idx_h, ck.stride(0),
+                 ck.stride(1), sk.stride(0), tk.stride(0), tk.stride(1), tsk.stride(0), tsk.stride(1),
+                 cols.stride(0), blocks.stride(0), blocks.stride(1), q.stride(0), q.stride(1), out.stride(1),
+                 RP=next_power(rows), LP=next_power(plan.lead), TP=next_power(tail), HALF=d // 2,
+                 BLOCK_K=BLOCK, ROUND=dtype != torch.float32, EMULATE=interpreting())
+    return out if ran else None
