@@ -158,9 +158,9 @@ class S4RConfig:
     # document's keys and values lie mostly in the first's subspace (the model's), so the bytes a basis of
     # its own would cost buy rank (docs/design.md, "Appended documents")
     segment_bases: Literal["own", "extend"] = "extend"
-    # decode kernels: "auto" runs the fused CPU step (`s4r.kernels`, numba) where it applies and the eager
-    # PyTorch step elsewhere; "eager" always runs the eager step (the reference the fused one is tested
-    # against); "fused" is "auto" under its explicit name
+    # decode kernels: "auto" runs the fused CPU step (`s4r.kernels`, numba) and a GPU's Triton kernels where
+    # they apply and the eager PyTorch step elsewhere; "eager" always runs the eager step (the reference
+    # the fused ones are tested against); "fused" is "auto" under its explicit name
     kernels: Literal["auto", "eager", "fused"] = "auto"
 
     def __post_init__(self) -> None:

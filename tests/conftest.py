@@ -24,3 +24,19 @@ def smollm2() -> LoadedModel:
     from s4r.models.loading import load_model
 
     return load_model("smollm2-135m", device="cpu", dtype="auto")
+
+
+@pytest.fixture
+def triton_interpreted(monkeypatch):
+    """The Triton kernels' modules rebuilt for the interpreter (Triton picks it when a kernel is
+    defined, from TRITON_INTERPRET); skipped where Triton is not installed."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from s4r.kernels import triton_rebuild, triton_support, triton_values
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for module in (triton_support, triton_rebuild, triton_values):
+        importlib.reload(module)
+    yield triton_rebuild
+    monkeypatch.setitem(triton_support._state, "failed", None)

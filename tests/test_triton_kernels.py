@@ -4,7 +4,7 @@ interpreter on the CPU (`TRITON_INTERPRET=1`; a GPU compiles the same kernels)."
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import logging
 
 import pytest
@@ -22,18 +22,12 @@ from tests.test_fused_kernels import D, kv_data, rope_for  # noqa: E402
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    """The module's kernels built for the interpreter (Triton picks it when a kernel is defined)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(triton_support)
-    importlib.reload(triton_rebuild)
-    importlib.reload(triton_values)
-    yield triton_rebuild
-    monkeypatch.setitem(triton_support._state, "failed", None)
+def interpreted(triton_interpreted):
+    return triton_interpreted
 
 
 def _layer(dtype: torch.dtype, granularity: str, bands: str | None, offset: int = 0, rebuild: str = "auto"):
-    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, kernels="eager", granularity=granularity,
+    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, granularity=granularity,
                     coef_bands=bands, rebuild_dtype=rebuild)
     keys, values, queries = kv_data(3, 9, 300, dtype)
     return compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, shifted(rope_for(9, 3), offset))
@@ -71,6 +65,9 @@ def test_kernel_is_the_eager_rebuild(interpreted, dtype, granularity, bands, k):
 def test_the_eager_step_rebuilds_through_the_kernel(interpreted, monkeypatch):
     """A layer's step where the kernels serve (here the interpreter; a GPU in use) gives the output of the
     step with them turned off, and both ran."""
+    from s4r.kernels import jit
+
+    monkeypatch.setattr(jit, "available", lambda: False)  # the eager step, not the fused CPU one
     layer = _layer(torch.float32, "layer", "8:2,4:3,2:3", rebuild="float32")
     twin = _layer(torch.float32, "layer", "8:2,4:3,2:3", rebuild="float32")
     g = torch.Generator().manual_seed(3)
@@ -84,8 +81,10 @@ def test_the_eager_step_rebuilds_through_the_kernel(interpreted, monkeypatch):
         lay.update(new, new)
     fused = layer.attend(query, None, None, 0.125)
     assert calls == ["keys", "values"] and layer.selected.shape[-1] > 0
-    monkeypatch.setattr(triton_support, "_state", {"failed": RuntimeError("off")})  # both kernels off
+    twin.cfg = dataclasses.replace(twin.cfg, kernels="eager")  # both kernels off
+    assert triton_support.serves(layer) and not triton_support.serves(twin)
     eager = twin.attend(query, None, None, 0.125)
+    assert calls == ["keys", "values", "keys", "values"] and triton_support._state["failed"] is None
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
 
 

@@ -29,9 +29,9 @@ def interpreting() -> bool:
 
 def serves(layer) -> bool:
     """Whether the Triton kernels may run `layer`'s step: Triton present and none failed here, the layer
-    on a CUDA device (or the interpreter running), int8-coded coefficients (the interpreter emulates bf16
-    roundings, not fp16's)."""
-    if triton is None or _state["failed"] is not None or layer._sk is None:
+    on a CUDA device (or the interpreter running), its kernels not set to "eager", int8-coded
+    coefficients (the interpreter emulates bf16 roundings, not fp16's)."""
+    if triton is None or _state["failed"] is not None or layer._sk is None or layer.cfg.kernels == "eager":
         return False
     if interpreting():
         return layer.dtype != torch.float16
