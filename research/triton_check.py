@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from s4r.config import S4RConfig
     from s4r.core.budget import KVShape, solve_ranks
     from s4r.core.compress import compress_layer
-    from s4r.core.latent import gather_value_rows, weighted_value_rows
     from s4r.core.rope import model_rope_fn
-    from s4r.kernels import triton_rebuild, triton_support, triton_values
+    from s4r.core.subspace import head_blocks
+    from s4r.kernels import triton_step
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -89,29 +89,28 @@ def main(argv: list[str] | None = None) -> int:
           f"{k} selected")
 
     def fused_keys():
-        return triton_rebuild.key_logits(layer, qf, idx, d**-0.5)
+        return triton_step.key_logits(layer, qf, idx, d**-0.5, head_blocks(layer.basis_k, heads))
 
     def eager_keys():
         return layer._model_dtype_key_logits(qf, idx, d**-0.5)
 
     got, want = fused_keys(), eager_keys()
     if got is None:
-        print(f"key kernel: did not run ({triton_support._state['failed']!r})")
+        print(f"key kernel: did not run ({triton_step._state['failed']!r})")
         return 1
     gap = (got - want).abs().max().item() / want.abs().max().item()
     fused_ms, eager_ms = timed(fused_keys, device, args.repeats), timed(eager_keys, device, args.repeats)
     print(f"key logits: max difference {gap:.2e} of the largest logit; kernel {fused_ms:.3f} ms, eager "
           f"{eager_ms:.3f} ms")
-    weigh = triton_values.weighted_rows(layer, idx)
-    rows, row_scale = gather_value_rows(layer.coef_v, layer._sv[:, : layer._n], idx)
-    tail = layer.planar_tail(idx, keys=False) if layer._tv is not None else None
+    weigh = triton_step.weighted_rows(layer, idx)
+    eager_weigh = layer.gathered_values(idx)
 
     def eager_values():
-        return weighted_value_rows(probs, rows, row_scale, tail)
+        return eager_weigh(probs)
 
     z, eager = weigh(probs), eager_values()
-    if triton_support._state["failed"] is not None:
-        print(f"value kernel: did not run ({triton_support._state['failed']!r})")
+    if triton_step._state["failed"] is not None:
+        print(f"value kernel: did not run ({triton_step._state['failed']!r})")
         return 1
     gap = (z - eager).abs().max().item() / eager.abs().max().item()
     print(f"value rows: max difference {gap:.2e} of the largest; kernel "

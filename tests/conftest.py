@@ -28,15 +28,15 @@ def smollm2() -> LoadedModel:
 
 @pytest.fixture
 def triton_interpreted(monkeypatch):
-    """The Triton kernels' modules rebuilt for the interpreter (Triton picks it when a kernel is
-    defined, from TRITON_INTERPRET); skipped where Triton is not installed."""
+    """`s4r.kernels.triton_step` rebuilt for Triton's interpreter (Triton picks it when a kernel is defined,
+    from TRITON_INTERPRET); skipped where Triton is not installed."""
     pytest.importorskip("triton")
     import importlib
 
-    from s4r.kernels import triton_rebuild, triton_support, triton_values
+    from s4r.kernels import triton_step
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for module in (triton_support, triton_rebuild, triton_values):
-        importlib.reload(module)
-    yield triton_rebuild
-    monkeypatch.setitem(triton_support._state, "failed", None)
+    importlib.reload(triton_step)
+    triton_step._state["failed"] = None
+    yield triton_step
+    triton_step._state["failed"] = None  # a test's failed kernel stays in that test

@@ -1,6 +1,6 @@
-"""The GPU's Triton kernels of an S4R step (`s4r.kernels.triton_rebuild`: the selected keys' logits;
-`s4r.kernels.triton_values`: their weighted value rows) against the eager path, run by Triton's
-interpreter on the CPU (`TRITON_INTERPRET=1`; a GPU compiles the same kernels)."""
+"""The GPU's Triton kernels of an S4R step (`s4r.kernels.triton_step`: the selected keys' logits, their
+weighted value rows) against the eager path, run by Triton's interpreter on the CPU (`TRITON_INTERPRET=1`;
+a GPU compiles the same kernels)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from s4r.core.coef_bands import decode_tails  # noqa: E402
 from s4r.core.compress import compress_layer  # noqa: E402
 from s4r.core.latent import gather_value_rows, weighted_value_rows  # noqa: E402
 from s4r.core.rope import shifted  # noqa: E402
-from s4r.kernels import triton_rebuild, triton_support, triton_values  # noqa: E402
+from s4r.core.subspace import head_blocks  # noqa: E402
 from tests.test_fused_kernels import D, kv_data, rope_for  # noqa: E402
 
 
@@ -54,9 +54,9 @@ def test_kernel_is_the_eager_rebuild(interpreted, dtype, granularity, bands, k):
     idx = torch.randperm(layer._n, generator=g)[:k].sort().values[None]
     if granularity == "head":
         idx = idx.expand(3, -1)  # a per-head basis gathers every head's own rows
-    assert interpreted.usable(layer, idx)
-    got = interpreted.key_logits(layer, qf, idx, 0.125)
-    assert triton_support._state["failed"] is None
+    assert interpreted.keys_usable(layer, idx)
+    got = interpreted.key_logits(layer, qf, idx, 0.125, head_blocks(layer.basis_k, 3))
+    assert interpreted._state["failed"] is None
     want = _reference(layer, qf, idx, 0.125)
     assert got.shape == want.shape == (3, 3, k)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
@@ -74,17 +74,17 @@ def test_the_eager_step_rebuilds_through_the_kernel(interpreted, monkeypatch):
     query = torch.randn(1, 9, 1, D, generator=g)
     new = torch.randn(1, 3, 1, D, generator=g)
     calls = []
-    real_keys, real_values = interpreted.key_logits, triton_values.weighted_rows
+    real_keys, real_values = interpreted.key_logits, interpreted.weighted_rows
     monkeypatch.setattr(interpreted, "key_logits", lambda *a: calls.append("keys") or real_keys(*a))
-    monkeypatch.setattr(triton_values, "weighted_rows", lambda *a: calls.append("values") or real_values(*a))
+    monkeypatch.setattr(interpreted, "weighted_rows", lambda *a: calls.append("values") or real_values(*a))
     for lay in (layer, twin):
         lay.update(new, new)
     fused = layer.attend(query, None, None, 0.125)
     assert calls == ["keys", "values"] and layer.selected.shape[-1] > 0
     twin.cfg = dataclasses.replace(twin.cfg, kernels="eager")  # both kernels off
-    assert triton_support.serves(layer) and not triton_support.serves(twin)
+    assert interpreted.serves(layer) and not interpreted.serves(twin)
     eager = twin.attend(query, None, None, 0.125)
-    assert calls == ["keys", "values", "keys", "values"] and triton_support._state["failed"] is None
+    assert calls == ["keys", "values"] and interpreted._state["failed"] is None  # not asked again
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
 
 
@@ -102,17 +102,20 @@ def test_a_kernel_that_cannot_compile_leaves_the_eager_path_with_one_line(interp
     idx = torch.arange(5)[None]
     monkeypatch.setattr(interpreted, "_key_logits_kernel", Broken())
     with caplog.at_level(logging.WARNING, logger="s4r.kernels"):
-        assert interpreted.key_logits(layer, torch.randn(3, 3, D), idx, 0.125) is None
-        assert not interpreted.usable(layer, idx)
+        assert interpreted.key_logits(layer, torch.randn(3, 3, D), idx, 0.125,
+                                       head_blocks(layer.basis_k, 3)) is None
+        assert not interpreted.keys_usable(layer, idx)
     assert [r.getMessage() for r in caplog.records] == [
         "s4r: Triton key rebuild off (RuntimeError: no kernel here); using the eager path"]
 
 
-def test_the_kernel_serves_only_a_gpu_or_the_interpreter(monkeypatch):
-    """On a CPU the kernel never serves, Triton or not (the fused CPU step and the eager rebuild do)."""
+def test_the_kernels_serve_only_a_gpu_or_the_interpreter(monkeypatch):
+    """On a CPU the kernels never serve, Triton or not (the fused CPU step and the eager path do), and the
+    step does not import them."""
+    from s4r.layers.lowrank_rebuild import gpu_kernels
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    layer = _layer(torch.float32, "layer", "8:2,4:3,2:3")
-    assert not triton_rebuild.usable(layer, torch.arange(5)[None])
+    assert gpu_kernels(_layer(torch.float32, "layer", "8:2,4:3,2:3")) is None
 
 
 def _decoded_value_rows(layer, idx: torch.Tensor) -> torch.Tensor:
@@ -142,10 +145,10 @@ def test_value_kernel_is_the_product_of_the_stored_rows(interpreted, dtype, gran
     if granularity == "head":
         idx = idx.expand(3, -1)
     probs = torch.softmax(torch.randn(3, 3, 5 + k, generator=g), -1)[..., 5:]
-    weigh = triton_values.weighted_rows(layer, idx)
+    weigh = interpreted.weighted_rows(layer, idx)
     assert weigh is not None
     got = weigh(probs)
-    assert triton_support._state["failed"] is None
+    assert interpreted._state["failed"] is None
     want = torch.matmul(probs.double(), _decoded_value_rows(layer, idx))
     assert got.shape == want.shape == (3, 3, layer.plan_v.rank)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * want.abs().max().item())
@@ -168,9 +171,9 @@ def test_a_value_kernel_that_cannot_compile_leaves_the_gathered_rows(interpreted
     layer = _layer(torch.float32, "layer", "8:2,4:3,2:3")
     idx = torch.arange(7)[None]
     probs = torch.softmax(torch.randn(3, 3, 7), -1)
-    monkeypatch.setattr(triton_values, "_value_rows_kernel", Broken())
+    monkeypatch.setattr(interpreted, "_value_rows_kernel", Broken())
     with caplog.at_level(logging.WARNING, logger="s4r.kernels"):
-        got = triton_values.weighted_rows(layer, idx)(probs)
+        got = interpreted.weighted_rows(layer, idx)(probs)
     rows, scale = gather_value_rows(layer.coef_v, layer._sv[:, : layer._n], idx)
     want = weighted_value_rows(probs, rows, scale, layer.planar_tail(idx, keys=False))
     torch.testing.assert_close(got, want)

@@ -162,18 +162,17 @@ def weighted_value_rows(p_sel: torch.Tensor, value_rows: torch.Tensor, value_sca
 
 
 def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logits: torch.Tensor,
-                     value_rows: torch.Tensor | None, value_scale: torch.Tensor | None,
-                     value_blocks: torch.Tensor, tail: WeightedTail | None = None, *, with_lse: bool = False,
-                     weighted: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     weighted: Callable[[torch.Tensor], torch.Tensor] | None, value_blocks: torch.Tensor, *,
+                     with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One softmax over exact and latent tokens: (output [H, M, d] in fp32, the logsumexp of the
     logits [H, M] when `with_lse`, else None).
 
     exact_logits [H, M, e] (masked entries -inf) with exact values [H, e, d]; sel_logits [H, M, k] of
-    the selected latent tokens, whose value coefficients `weighted_value_rows` weighs (value_rows,
-    value_scale, tail), or `weighted` (p_sel -> z, a GPU's kernel) where given; value_blocks [H, d, r_v]
-    is each KV head's block of the value basis. The logsumexp lets attention over several token sets
-    (segments of a cache with bases of their own) be merged exactly (`merge_partial_attention`).
+    the selected latent tokens, whose value coefficients `weighted` weighs by their probabilities (p_sel
+    [H, M, k] -> z [H, M, r_v]: `weighted_value_rows` of their gathered rows, or a GPU's kernel; None
+    where k is 0); value_blocks [H, d, r_v] is each KV head's block of the value basis. The logsumexp
+    lets attention over several token sets (segments of a cache with bases of their own) be merged
+    exactly (`merge_partial_attention`).
     """
     e = exact_logits.shape[-1]
     logits = torch.cat([exact_logits, sel_logits], dim=-1)
@@ -184,8 +183,7 @@ def merged_attention(exact_logits: torch.Tensor, exact_v: torch.Tensor, sel_logi
     # fp32 throughout: small bf16 matmuls cost more than fp32 ones on CPU, casts included
     out = torch.matmul(p_exact, exact_v.float())
     if sel_logits.shape[-1]:
-        z = weighted(p_sel) if weighted else weighted_value_rows(p_sel, value_rows, value_scale, tail)
-        out += torch.matmul(z, value_blocks.float().transpose(1, 2))
+        out += torch.matmul(weighted(p_sel), value_blocks.float().transpose(1, 2))
     return out, lse
 
 

@@ -22,16 +22,15 @@ import torch
 
 from s4r.config import S4RConfig
 from s4r.core.coef_bands import Encoded, encode_coefficients, plan_bands
-from s4r.core.latent import gather_value_rows, merged_attention
+from s4r.core.latent import merged_attention
 from s4r.core.rope import RopeFn, undo_rope
 from s4r.core.selection import decay_factor
 from s4r.core.subspace import coefficients, head_blocks, relative_residual, unit_columns
 from s4r.hf.attention import causal_mask, handoff
-from s4r.kernels import triton_values
 from s4r.layers.full import CacheLayer, tensor_bytes, to_groups
 from s4r.layers.growable import cloned, contiguous, grown
 from s4r.layers.lowrank_dense import attend_every_token, attends_every_token, forget_rebuilt
-from s4r.layers.lowrank_rebuild import KeyRebuild
+from s4r.layers.lowrank_rebuild import KeyRebuild, gpu_kernels
 from s4r.layers.lowrank_selection import LatentSelection
 from s4r.layers.lowrank_views import StoredViews
 
@@ -312,19 +311,15 @@ class LowRankLayer(StoredViews, LatentSelection, KeyRebuild, CacheLayer):
         """The step's attention over the exact tokens and the `chosen` stored ones ((indices, logits) from
         `selected_logits`; None: no stored token), see `attend_folded`."""
         heads, rows, e = exact_logits.shape
-        tail = value_rows = value_scale = weighted = None
+        weighted = None
         if chosen is not None:
             idx, sel_logits = chosen
-            weighted = triton_values.weighted_rows(self, idx)  # on a GPU, one kernel where it serves
-            if weighted is None:
-                value_rows, value_scale = gather_value_rows(self.coef_v, None if self._sv is None else
-                                                            self._sv[:, : self._n], idx)
-            if weighted is None and self._tv is not None:  # the lower bands join as more coefficients
-                tail = self.planar_tail(idx, keys=False)
+            kernels = gpu_kernels(self)  # a GPU's value rows in one kernel, where it serves
+            weighted = (kernels and kernels.weighted_rows(self, idx)) or self.gathered_values(idx)
         else:
             sel_logits = exact_logits.new_empty(heads, rows, 0)
-        out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, value_rows, value_scale,
-                               head_blocks(self.basis_v, heads), tail, with_lse=with_lse, weighted=weighted)
+        blocks = head_blocks(self.basis_v, heads)
+        out = merged_attention(exact_logits, self._ev[:, :e], sel_logits, weighted, blocks, with_lse=with_lse)
         # a question longer than the buffer would hold the cache over its ratio until the next step
         self.fold_buffer()
         return out

@@ -6,16 +6,31 @@ rotated to their positions and dotted with the query. The eager reference of the
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
 import torch
 
 from s4r.core.int8_rebuild import int8_basis, int8_keys, int8_rows
 from s4r.core.rope import half_angles, rotate_dim_major
 from s4r.core.subspace import head_blocks
 from s4r.core.tail_planes import decode_planar, gather_token_rows, planar_basis, plane_map
-from s4r.kernels import jit, triton_rebuild
+from s4r.kernels import jit
 
 # the selected-token counts a model-dtype rebuild rounds up to (see `_model_dtype_key_logits`)
 REBUILD_BUCKET = 128
+
+
+def gpu_kernels(layer) -> ModuleType | None:
+    """`s4r.kernels.triton_step` where its Triton kernels may serve `layer`'s step (a CUDA device, or Triton's
+    interpreter on a CPU, and `triton_step.serves`), else None: Triton is imported only then."""
+    if layer.basis_k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from s4r.kernels import triton_step
+    except ImportError:  # no Triton here: the eager step serves
+        return None
+    return triton_step if triton_step.serves(layer) else None
 
 
 class KeyRebuild:
@@ -23,9 +38,11 @@ class KeyRebuild:
 
     def _rebuilt_key_logits(self, qf, idx, scaling):
         """Pre-RoPE keys: rebuild the selected keys, rotate them to their positions, dot with the query
-        (on a GPU in one Triton kernel where it serves, `s4r.kernels.triton_rebuild`)."""
-        if (fused := triton_rebuild.key_logits(self, qf, idx, scaling)) is not None:
-            return fused
+        (on a GPU in one Triton kernel where it serves, `s4r.kernels.triton_step`)."""
+        if (kernels := gpu_kernels(self)) is not None:
+            fused = kernels.key_logits(self, qf, idx, scaling, head_blocks(self.basis_k, self.heads))
+            if fused is not None:
+                return fused
         if self.rebuild_int8:
             return self._int8_key_logits(qf, idx, scaling)
         if self.rebuild_dtype != torch.float32:

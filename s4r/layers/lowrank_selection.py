@@ -7,12 +7,19 @@ workspace `_ek`, `out_idx`, `_rel`) and its configuration; `LowRankLayer` is the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from s4r.core.latent import chunked_latent_logits, gathered_logits, latent_logits
+from s4r.core.latent import (
+    chunked_latent_logits,
+    gather_value_rows,
+    gathered_logits,
+    latent_logits,
+    weighted_value_rows,
+)
 from s4r.core.rope import chunk_rotations, last_answer, rotate_half, undo_rope
 from s4r.core.selection import (
     latent_scores,
@@ -213,6 +220,15 @@ class LatentSelection:
         if keys:
             return PlanarTail.gather(self._tk, self._tsk, idx, self.plan_k)
         return PlanarTail.gather(self._tv, self._tsv, idx, self.plan_v)
+
+
+    def gathered_values(self, idx: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """p_sel [H, M, k] -> z [H, M, r_v]: the stored tokens idx [H or 1, k]' value rows gathered (the lower
+        bands as planes) and weighted by their probabilities (`weighted_value_rows`)."""
+        scales = None if self._sv is None else self._sv[:, : self._n]
+        rows, scale = gather_value_rows(self.coef_v, scales, idx)
+        tail = self.planar_tail(idx, keys=False) if self._tv is not None else None
+        return lambda p_sel: weighted_value_rows(p_sel, rows, scale, tail)
 
     def _summed_scores(self, q_lat, q_len, coef_t, scale_k, scaling):
         q_coef = q_lat.reshape(-1, q_len, q_lat.shape[-1]).to(self.dtype)  # [Hq, q, r]
