@@ -33,6 +33,15 @@ def _layer(dtype: torch.dtype, granularity: str, bands: str | None, offset: int 
     return compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, shifted(rope_for(9, 3), offset))
 
 
+class _Broken:
+    """A kernel that fails at its launch, as one Triton cannot compile here would."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("no kernel here")
+        return launch
+
+
 def _reference(layer, qf: torch.Tensor, idx: torch.Tensor, scaling: float) -> torch.Tensor:
     """The eager rebuild in the model's dtype (bf16: the products of its roundings), else in fp32."""
     if layer.dtype == torch.bfloat16:
@@ -91,16 +100,9 @@ def test_the_eager_step_rebuilds_through_the_kernel(interpreted, monkeypatch):
 def test_a_kernel_that_cannot_compile_leaves_the_eager_path_with_one_line(interpreted, monkeypatch, caplog):
     """Where Triton cannot build the kernel (an unsupported GPU, a compiler error) the eager rebuild
     serves from then on, after one warning naming the error."""
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("no kernel here")
-            return launch
-
     layer = _layer(torch.float32, "layer", "8:2,4:3,2:3")
     idx = torch.arange(5)[None]
-    monkeypatch.setattr(interpreted, "_key_logits_kernel", Broken())
+    monkeypatch.setattr(interpreted, "_key_logits_kernel", _Broken())
     with caplog.at_level(logging.WARNING, logger="s4r.kernels"):
         assert interpreted.key_logits(layer, torch.randn(3, 3, D), idx, 0.125,
                                        head_blocks(layer.basis_k, 3)) is None
@@ -161,17 +163,10 @@ def test_value_kernel_is_the_product_of_the_stored_rows(interpreted, dtype, gran
 def test_a_value_kernel_that_cannot_compile_leaves_the_gathered_rows(interpreted, monkeypatch, caplog):
     """The value kernel failing at its first launch: its step still gets the gathered rows' product, and
     one warning names the error."""
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("no kernel here")
-            return launch
-
     layer = _layer(torch.float32, "layer", "8:2,4:3,2:3")
     idx = torch.arange(7)[None]
     probs = torch.softmax(torch.randn(3, 3, 7), -1)
-    monkeypatch.setattr(interpreted, "_value_rows_kernel", Broken())
+    monkeypatch.setattr(interpreted, "_value_rows_kernel", _Broken())
     with caplog.at_level(logging.WARNING, logger="s4r.kernels"):
         got = interpreted.weighted_rows(layer, idx)(probs)
     rows, scale = gather_value_rows(layer.coef_v, layer._sv[:, : layer._n], idx)
