@@ -26,8 +26,9 @@ def interpreted(triton_interpreted):
     return triton_interpreted
 
 
-def _layer(dtype: torch.dtype, granularity: str, bands: str | None, offset: int = 0, rebuild: str = "auto"):
-    cfg = S4RConfig(ratio=None, rank_k=24, rank_v=24, pool_kernel=1, granularity=granularity,
+def _layer(dtype: torch.dtype, granularity: str, bands: str | None, offset: int = 0, rebuild: str = "auto",
+           rank: int = 24):
+    cfg = S4RConfig(ratio=None, rank_k=rank, rank_v=rank, pool_kernel=1, granularity=granularity,
                     coef_bands=bands, rebuild_dtype=rebuild)
     keys, values, queries = kv_data(3, 9, 300, dtype)
     return compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, shifted(rope_for(9, 3), offset))
@@ -69,6 +70,27 @@ def test_kernel_is_the_eager_rebuild(interpreted, dtype, granularity, bands, k):
     want = _reference(layer, qf, idx, 0.125)
     assert got.shape == want.shape == (3, 3, k)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rebuilds_a_wide_rank_in_blocks(interpreted, dtype, monkeypatch):
+    """A rank of 80 coefficient columns, keys taken 16 at a time (the last block of the lead and of the
+    lower bands partial), value rows 64 at a time: the eager rebuild's logits, the rows' product."""
+    monkeypatch.setattr(interpreted, "RANK_BLOCK", 16)
+    layer = _layer(dtype, "layer", "8:3,4:4,2:3", rank=80)
+    plan = layer.plan_k
+    assert plan.lead > 16 and plan.lead % 16 and (plan.rank - plan.lead) % 16, plan
+    g = torch.Generator().manual_seed(5)
+    qf = torch.randn(3, 3, D, generator=g)
+    idx = torch.randperm(layer._n, generator=g)[:50].sort().values[None]
+    got = interpreted.key_logits(layer, qf, idx, 0.125, head_blocks(layer.basis_k, 3))
+    want = _reference(layer, qf, idx, 0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    probs = torch.softmax(torch.randn(3, 3, 50, generator=g), -1)  # the value rows: two column blocks
+    z = interpreted.weighted_rows(layer, idx)(probs)
+    truth = torch.matmul(probs.double(), _decoded_value_rows(layer, idx))
+    assert z.shape[-1] > interpreted.COLUMNS and interpreted._state["failed"] is None
+    torch.testing.assert_close(z.double(), truth, rtol=0, atol=1e-6 * truth.abs().max().item())
 
 
 def test_the_eager_step_rebuilds_through_the_kernel(interpreted, monkeypatch):

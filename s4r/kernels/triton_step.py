@@ -29,6 +29,7 @@ import triton.language as tl
 
 BLOCK = 32  # selected tokens a program (key rebuild) or a step of its loop (value rows) decodes
 COLUMNS = 64  # value coefficient columns a program sums
+RANK_BLOCK = 64  # key coefficient columns a step of the key rebuild's loop multiplies: bounds its tiles
 
 log = logging.getLogger("s4r.kernels")
 _state: dict[str, BaseException | None] = {"failed": None}
@@ -134,55 +135,55 @@ def _bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 @triton.jit
-def _keys(lead_basis, tail_basis, lead_coef, tail_coef, ROUND: tl.constexpr, EMULATE: tl.constexpr):
-    """Half of the keys' dimensions [HALF, BLOCK_K] fp32: the basis rows (in the model's dtype) times the
-    coefficient tiles. `ROUND` (the model's dtype is bf16 or fp16): products of the coefficients rounded
-    to it, the keys rounded to it; `EMULATE` (the interpreter runs the kernel: its bf16 products and
-    casts are wrong): fp32 products of the same bf16 roundings."""
+def _key_part(basis, coef, ROUND: tl.constexpr, EMULATE: tl.constexpr):
+    """basis rows [HALF, RK] (the model's dtype) times a coefficient tile [RK, BLOCK_K], in fp32. `ROUND`
+    (a bf16 or fp16 rebuild): the coefficients rounded to that dtype first; `EMULATE` (the interpreter
+    runs the kernel: its bf16 products and casts are wrong): fp32 products of the same bf16 roundings."""
     if ROUND and EMULATE:
-        lc, tc = _bf16(lead_coef), _bf16(tail_coef)
-        keys = tl.dot(lead_basis.to(tl.float32), lc, input_precision="ieee")
-        keys += tl.dot(tail_basis.to(tl.float32), tc, input_precision="ieee")
-        return _bf16(keys)
+        return tl.dot(basis.to(tl.float32), _bf16(coef), input_precision="ieee")
     if ROUND:
-        lc, tc = lead_coef.to(lead_basis.dtype), tail_coef.to(lead_basis.dtype)
-        keys = tl.dot(lead_basis, lc) + tl.dot(tail_basis, tc)
-        return keys.to(lead_basis.dtype).to(tl.float32)
-    keys = tl.dot(lead_basis, lead_coef, input_precision="ieee")
-    return keys + tl.dot(tail_basis, tail_coef, input_precision="ieee")
+        return tl.dot(basis, coef.to(basis.dtype)).to(tl.float32)
+    return tl.dot(basis, coef, input_precision="ieee")
+
 
 @triton.jit
 def _key_logits_kernel(q_ptr, idx_ptr, k, pos0, ck_ptr, sk_ptr, tk_ptr, tsk_ptr, cols_ptr, basis_ptr,
                        inv_ptr, angle_scale, scaling, out_ptr, grouped, rows, lead, tail, idx_h,
                        ck_g, ck_r, sk_g, tk_g, tk_t, tsk_g, tsk_t, cols_r, b_h, b_d, q_h, q_r, out_r,
-                       RP: tl.constexpr, LP: tl.constexpr, TP: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_K: tl.constexpr, ROUND: tl.constexpr, EMULATE: tl.constexpr):
+                       RP: tl.constexpr, RK: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROUND: tl.constexpr, EMULATE: tl.constexpr):
     h = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     jm = j < k
     tok = tl.load(idx_ptr + h * idx_h + j, mask=jm, other=0)
     g = h * grouped
-    # the coefficient tile: lead codes times their scale [LP, BLOCK_K], lower bands decoded [TP, BLOCK_K]
-    lr = tl.arange(0, LP)
-    lm = (lr < lead)[:, None] & jm[None, :]
-    codes = tl.load(ck_ptr + g * ck_g + lr[:, None] * ck_r + tok[None, :], mask=lm, other=0)
     scale = tl.load(sk_ptr + g * sk_g + tok, mask=jm, other=0).to(tl.float32)
-    lead_coef = codes.to(tl.float32) * scale[None, :]
-    tc = tl.arange(0, TP)
-    tcm = tc < tail
-    tail_coef = tail_values(tk_ptr + g * tk_g, tk_t, tsk_ptr + g * tsk_g, tsk_t, cols_ptr, cols_r,
-                            tc[:, None], tok[None, :], tcm[:, None] & jm[None, :])
-    # each half of the head's key dimensions: its rows of the basis block times the tile
     di = tl.arange(0, HALF)
-    base = basis_ptr + h * b_h
-    lb = (lr < lead)[None, :]
-    tb = tcm[None, :]
-    b1l = tl.load(base + di[:, None] * b_d + lr[None, :], mask=lb, other=0)
-    b2l = tl.load(base + (di[:, None] + HALF) * b_d + lr[None, :], mask=lb, other=0)
-    b1t = tl.load(base + di[:, None] * b_d + lead + tc[None, :], mask=tb, other=0)
-    b2t = tl.load(base + (di[:, None] + HALF) * b_d + lead + tc[None, :], mask=tb, other=0)
-    k1 = _keys(b1l, b1t, lead_coef, tail_coef, ROUND, EMULATE)
-    k2 = _keys(b2l, b2t, lead_coef, tail_coef, ROUND, EMULATE)
+    first = basis_ptr + h * b_h + di[:, None] * b_d  # the head's basis rows of each half of its dimensions
+    second = first + HALF * b_d
+    k1 = tl.full((HALF, BLOCK_K), 0.0, tl.float32)
+    k2 = tl.full((HALF, BLOCK_K), 0.0, tl.float32)
+    # RK coefficient columns at a time: the lead codes times their scale, then the lower bands decoded
+    for c0 in range(0, lead, RK):
+        c = c0 + tl.arange(0, RK)
+        cm = c < lead
+        codes = tl.load(ck_ptr + g * ck_g + c[:, None] * ck_r + tok[None, :], mask=cm[:, None] & jm[None, :],
+                        other=0)
+        coef = codes.to(tl.float32) * scale[None, :]
+        k1 += _key_part(tl.load(first + c[None, :], mask=cm[None, :], other=0), coef, ROUND, EMULATE)
+        k2 += _key_part(tl.load(second + c[None, :], mask=cm[None, :], other=0), coef, ROUND, EMULATE)
+    for c0 in range(0, tail, RK):
+        c = c0 + tl.arange(0, RK)
+        cm = c < tail
+        coef = tail_values(tk_ptr + g * tk_g, tk_t, tsk_ptr + g * tsk_g, tsk_t, cols_ptr, cols_r, c[:, None],
+                           tok[None, :], cm[:, None] & jm[None, :])
+        k1 += _key_part(tl.load(first + lead + c[None, :], mask=cm[None, :], other=0), coef, ROUND, EMULATE)
+        k2 += _key_part(tl.load(second + lead + c[None, :], mask=cm[None, :], other=0), coef, ROUND, EMULATE)
+    if ROUND and EMULATE:  # the keys rounded to the rebuild's dtype, as the reference's product rounds them
+        k1, k2 = _bf16(k1), _bf16(k2)
+    elif ROUND:
+        k1 = k1.to(basis_ptr.dtype.element_ty).to(tl.float32)
+        k2 = k2.to(basis_ptr.dtype.element_ty).to(tl.float32)
     # the tokens' rotation, then the query rows' dots with both halves
     angle = tl.load(inv_ptr + di)[:, None] * (tok + pos0).to(tl.float32)[None, :]
     cos = tl.cos(angle) * angle_scale
@@ -227,8 +228,8 @@ def key_logits(layer, qf: torch.Tensor, idx: torch.Tensor, scaling: float,
                  float(scaling), out, int(ck.shape[0] > 1), rows, plan.lead, tail, idx_h, ck.stride(0),
                  ck.stride(1), sk.stride(0), tk.stride(0), tk.stride(1), tsk.stride(0), tsk.stride(1),
                  cols.stride(0), blocks.stride(0), blocks.stride(1), q.stride(0), q.stride(1), out.stride(1),
-                 RP=next_power(rows), LP=next_power(plan.lead), TP=next_power(tail), HALF=d // 2,
-                 BLOCK_K=BLOCK, ROUND=dtype != torch.float32, EMULATE=interpreting())
+                 RP=next_power(rows), RK=RANK_BLOCK, HALF=d // 2, BLOCK_K=BLOCK, ROUND=dtype != torch.float32,
+                 EMULATE=interpreting())
     return out if ran else None
 
 
