@@ -114,8 +114,6 @@ def tail_values(codes_ptr, codes_t, steps_ptr, steps_t, cols_ptr, cols_r, col, t
     return tl.where(valid, (((raw >> shift) & mask).to(tl.float32) - offset) * step, 0.0)
 
 
-
-
 def keys_usable(layer, idx: torch.Tensor) -> bool:
     """Whether the kernel rebuilds `layer`'s selected keys `idx` [B, k] (one token set for every head, or
     one a head): the Triton kernels serve the layer (`serves`), its rotary embedding has static
@@ -231,8 +229,6 @@ def key_logits(layer, qf: torch.Tensor, idx: torch.Tensor, scaling: float,
                  RP=next_power(rows), RK=RANK_BLOCK, HALF=d // 2, BLOCK_K=BLOCK, ROUND=dtype != torch.float32,
                  EMULATE=interpreting())
     return out if ran else None
-
-
 
 
 def values_usable(layer, idx: torch.Tensor) -> bool:

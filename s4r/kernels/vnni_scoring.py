@@ -51,7 +51,6 @@ if numba is not None:
             order = [16 * i + t for t in range(16) for i in range(4)]
             interleave = ir.Constant(ir.VectorType(i32, 64), order)
 
-
             def band_rows(q):  # the quad's four band rows (the last row where the band runs out)
                 loaded = []
                 for i in range(4):

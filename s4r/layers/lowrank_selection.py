@@ -221,7 +221,6 @@ class LatentSelection:
             return PlanarTail.gather(self._tk, self._tsk, idx, self.plan_k)
         return PlanarTail.gather(self._tv, self._tsv, idx, self.plan_v)
 
-
     def gathered_values(self, idx: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """p_sel [H, M, k] -> z [H, M, r_v]: the stored tokens idx [H or 1, k]' value rows gathered (the lower
         bands as planes) and weighted by their probabilities (`weighted_value_rows`)."""
