@@ -76,12 +76,12 @@ def columns(layer, plan) -> torch.Tensor:
 
 def tails(layer, keys: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The layer's lower-band codes [G, N, bytes] and steps [G, N, bands] of its keys (or values), and the
-    bands' width; one-element stand-ins where it stores no lower bands."""
+    bands' width; where it stores no lower bands, the int8 band and its scales stand in (a width of 0: the
+    kernels read none of them), so a step allocates nothing for them."""
     codes, steps = (layer._tk, layer._tsk) if keys else (layer._tv, layer._tsv)
     plan = layer.plan_k if keys else layer.plan_v
     if codes is None:
-        device = layer.basis_k.device
-        return torch.zeros(1, 1, 1, dtype=torch.uint8, device=device), torch.zeros(1, 1, 1, device=device), 0
+        return layer._ck, layer._sk, 0
     return codes, steps, sum(w for _, w in plan.tails)
 
 
@@ -214,7 +214,10 @@ def key_logits(layer, qf: torch.Tensor, idx: torch.Tensor, scaling: float,
     cols = columns(layer, plan)
     # the keys in the dtype the eager step rebuilds them in (`rebuild_dtype`)
     dtype = layer.rebuild_dtype if layer.rebuild_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    blocks = blocks.to(dtype)
+    memo = getattr(layer, "_triton_blocks", None)  # the basis in that dtype, converted once, not every step
+    if memo is None or memo[0] is not layer.basis_k or memo[1].dtype != dtype:
+        memo = layer._triton_blocks = (layer.basis_k, blocks.to(dtype).contiguous())
+    blocks = memo[1]
     tk, tsk, tail = tails(layer, keys=True)
     q = qf.float().contiguous()
     idx_flat = idx.contiguous()
