@@ -64,7 +64,7 @@ def test_bf16_matrices_stay_close_to_the_reference(arch):
     model = _model(arch)
     reference = _decode(model, "reference")
     step = lean.LeanStep(model, weight_dtype=torch.bfloat16)
-    model.__dict__[lean._ATTR] = {False: step}
+    model.__dict__[lean._ATTR] = {(False, True): step}
     assert step.layers[0].w_qkv.dtype == torch.bfloat16
     got = _decode(model, "lean-eager")
     err = (got - reference).abs().max().item()
@@ -125,7 +125,7 @@ def test_a_wrong_qkv_order_is_caught():
     for w in step.layers:  # keys and values swapped in the stack: what a packing bug would do
         w.w_qkv = torch.cat([w.w_qkv[:nq], w.w_qkv[nq + nk :], w.w_qkv[nq : nq + nk]])
     step.in_args = [w.input_args(step.eps) for w in step.layers]
-    model.__dict__[lean._ATTR] = {False: step}
+    model.__dict__[lean._ATTR] = {(False, True): step}
     assert not torch.allclose(_decode(model, "lean-eager"), reference, atol=1e-3)
 
 

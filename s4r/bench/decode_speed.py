@@ -38,6 +38,7 @@ from s4r.hf.attention import causal_attention, handoff_plain, install
 from s4r.hf.cache import CompressedCache
 from s4r.hf.generation import prefill
 from s4r.hf.lean import STEPS, lean_step
+from s4r.kernels.bf16_matvec import MatvecWeight
 from s4r.layers.full import FullLayer, StagingLayer
 from s4r.methods import CompressContext, make_method
 
@@ -185,13 +186,14 @@ def make_forks(model, staged: CompressedCache, combos: list[tuple[str, float]],
 def weights_floors(model, decode_steps: Sequence[str]) -> list[WeightsFloor]:
     """One weights-read floor per matrix dtype the decode steps read: the model's own matrices for the
     reference step, the lean step's stacked ones for a lean step (when it can run the model)."""
-    floors: dict[torch.dtype, WeightsFloor] = {}
+    floors: dict[tuple[torch.dtype, bool], WeightsFloor] = {}
     for step in decode_steps:
         lean = None if step == "reference" else lean_step(model, step)
         matrices = lean_matrices(lean) if lean is not None else model_matrices(model)
-        dtype = matrices[0].dtype
-        name = f"floor: weights {str(dtype).removeprefix('torch.')}"
-        floors.setdefault(dtype, WeightsFloor(name, matrices))
+        kernel = isinstance(matrices[0], MatvecWeight)
+        dtype = matrices[0].tensor.dtype if kernel else matrices[0].dtype
+        name = f"floor: weights {str(dtype).removeprefix('torch.')}{' (bf16_matvec)' * kernel}"
+        floors.setdefault((dtype, kernel), WeightsFloor(name, matrices))
     return list(floors.values())
 
 

@@ -11,28 +11,36 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
+
+from s4r.hf.lean_ops import linear
+from s4r.kernels.bf16_matvec import MatvecWeight
+
+
+def _tensor(m: torch.Tensor | MatvecWeight) -> torch.Tensor:
+    return m.tensor if isinstance(m, MatvecWeight) else m
 
 
 class WeightsFloor:
-    """The products of a step's matrices with random vectors, timed per call."""
+    """The products of a step's matrices with random vectors, timed per call (by the product the step
+    runs: a `MatvecWeight` by its kernel)."""
 
-    def __init__(self, name: str, matrices: list[torch.Tensor]) -> None:
+    def __init__(self, name: str, matrices: list[torch.Tensor | MatvecWeight]) -> None:
         self.name = name
         self.matrices = matrices
-        g = torch.Generator(device=matrices[0].device).manual_seed(0)
-        self.inputs = [torch.randn(1, m.shape[1], generator=g, device=m.device).to(m.dtype) for m in matrices]
+        g = torch.Generator(device=_tensor(matrices[0]).device).manual_seed(0)
+        self.inputs = [torch.randn(1, _tensor(m).shape[1], generator=g, device=_tensor(m).device)
+                       .to(_tensor(m).dtype) for m in matrices]
         self.seconds: list[float] = []
 
     @property
     def nbytes(self) -> int:
         """Bytes of weights one step reads."""
-        return sum(m.numel() * m.element_size() for m in self.matrices)
+        return sum(_tensor(m).numel() * _tensor(m).element_size() for m in self.matrices)
 
     def run(self) -> None:
         """One step's products."""
         for w, x in zip(self.matrices, self.inputs, strict=True):
-            F.linear(x, w)
+            linear(x, w)
 
     def time_once(self, keep: bool = True) -> None:
         """Run once; keep the wall-clock seconds unless `keep` is False (warm-up)."""
@@ -48,7 +56,8 @@ def model_matrices(model) -> list[torch.Tensor]:
     return [m.weight.detach() for m in linears] + [model.get_output_embeddings().weight.detach()]
 
 
-def lean_matrices(step) -> list[torch.Tensor]:
-    """A `s4r.hf.lean.LeanStep`'s stacked matrices (q/k/v, o, gate/up, down per layer) and its LM head."""
-    out = [m for layer in step.layers for m in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
-    return [*out, step.head]
+def lean_matrices(step) -> list[torch.Tensor | MatvecWeight]:
+    """A `s4r.hf.lean.LeanStep`'s stacked matrices (q/k/v, o, gate/up, down per layer) and its LM head, as
+    its products take them."""
+    out = [m for layer in step.products for m in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+    return [*out, step.head_product]

@@ -3,10 +3,12 @@
 transformers' eager forward runs about 40 small operations per layer outside attention, each a Python
 dispatch, plus its module and keyword plumbing. The lean step runs the same arithmetic as one call
 between two attention calls (`lean_ops.between_layers`: q/k/v as one product, gate/up as one), from
-stacked weights in the dtype a one-token product reads fastest (`lean_weights`), compiled with
-`torch.compile` where a C++ compiler exists (else eager, said once in one line). Attention is untouched:
-each layer's `cache.update` and the registered attention function get the queries, keys, values and
-keyword arguments the model's own forward gives them.
+stacked weights in the dtype a one-token product reads fastest (`lean_weights`); uncompiled, a bf16
+matrix takes its one token through `s4r.kernels.bf16_matvec` where the CPU has AVX512-BF16.
+`S4R_COMPILE=1` compiles the operations with `torch.compile` where a C++ compiler exists (else eager,
+said once in one line). Attention is untouched: each layer's `cache.update` and the registered
+attention function get the queries, keys, values and keyword arguments the model's own forward gives
+them.
 
 `forward_tokens` takes the lean step for one-token steps of a supported model switched to s4r attention;
 `S4R_DECODE_STEP=reference` (or `set_decode_step(model, "reference")`) keeps the model's own forward,
@@ -25,12 +27,14 @@ import torch
 
 from s4r.hf import lean_ops
 from s4r.hf.lean_weights import decode_weight_dtype, matrix_bytes, pack_layers, unsupported_reason
+from s4r.kernels.bf16_matvec import matvec_weights
 
-# "lean": compiled where `S4R_COMPILE=1` asks and a compiler allows; "lean-compiled"/"lean-eager" force either
-STEPS = ("lean", "lean-compiled", "lean-eager", "reference")
+# "lean": compiled where `S4R_COMPILE=1` asks and a compiler allows; "lean-compiled"/"lean-eager" force
+# either; "lean-torch": uncompiled with torch's products (the reference of the `bf16_matvec` kernel)
+STEPS = ("lean", "lean-compiled", "lean-eager", "lean-torch", "reference")
 STEP_ENV = "S4R_DECODE_STEP"
 COMPILE_ENV = "S4R_COMPILE"  # "1": "lean" compiles its operations (first step: tens of seconds)
-_ATTR = "_s4r_lean_steps"  # on the model: {compiled?: LeanStep}, or False when it cannot run
+_ATTR = "_s4r_lean_steps"  # on the model: {(compiled?, matvec?): LeanStep}, or False when it cannot run
 _said: set[str] = set()
 
 
@@ -101,7 +105,7 @@ class LeanStep:
     """The lean one-token forward of a Llama-layout model (see the module docstring)."""
 
     def __init__(self, model, weight_dtype: torch.dtype | None = None,
-                 compile_ops: bool | None = None) -> None:
+                 compile_ops: bool | None = None, matvec: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean decode step cannot run this model: {reason}")
@@ -128,8 +132,13 @@ class LeanStep:
         self.between_layers = _MaybeCompiled(lean_ops.between_layers, compile_ops)
         self.final_logits = _MaybeCompiled(lean_ops.final_logits, compile_ops)
         self._source = param.data_ptr()
-        self.in_args = [w.input_args(self.eps) for w in self.layers]
-        self.out_args = [w.output_args(self.eps) for w in self.layers]
+        # uncompiled (and unless `matvec` is off), a bf16 matrix takes one token by the instruction kernel
+        # (`bf16_matvec`); torch.compile traces torch's own product
+        self.matvec = matvec and not compile_ops
+        self.products = [w.with_matvec() for w in self.layers] if self.matvec else self.layers
+        self.head_product = matvec_weights([self.head])[0] if self.matvec else self.head
+        self.in_args = [w.input_args(self.eps) for w in self.products]
+        self.out_args = [w.output_args(self.eps) for w in self.products]
 
     def matches(self, model) -> bool:
         """Whether this step still reads `model`'s weights (not moved or reloaded since it was built)."""
@@ -157,7 +166,8 @@ class LeanStep:
                 h, query, key, value = self.between_layers(h, out, out_args[i], in_args[i + 1], cos, sin,
                                                            *dims)
             else:
-                logits = self.final_logits(h, out, out_args[i], self.final_norm, self.eps, self.head)
+                logits = self.final_logits(h, out, out_args[i], self.final_norm, self.eps,
+                                           self.head_product)
         return logits[0, -1]
 
 
@@ -177,10 +187,11 @@ def lean_step(model, step: str | None = None) -> LeanStep | None:
     built = model.__dict__.setdefault(_ATTR, {})
     if built is False:
         return None
-    compile_ops = {"lean-compiled": True, "lean-eager": False}.get(step)
+    compile_ops = {"lean-compiled": True, "lean-eager": False, "lean-torch": False}.get(step)
     if compile_ops is None:
         compile_ops = _want_compile(model.model.embed_tokens.weight.device)
-    found = built.get(compile_ops)
+    key = (compile_ops, step != "lean-torch")
+    found = built.get(key)
     if found is not None and found.matches(model):
         return found
     reason = unsupported_reason(model)
@@ -189,5 +200,5 @@ def lean_step(model, step: str | None = None) -> LeanStep | None:
             _say_once(f"the lean decode step cannot run this model ({reason}); using its own forward")
         model.__dict__[_ATTR] = False
         return None
-    found = built[compile_ops] = LeanStep(model, compile_ops=compile_ops)
+    found = built[key] = LeanStep(model, compile_ops=compile_ops, matvec=key[1])
     return found

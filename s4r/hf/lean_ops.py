@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from s4r.kernels.bf16_matvec import MatvecWeight
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalized in fp32, back to `x`'s dtype, then times `weight`."""
@@ -22,9 +24,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` with the product in `weight`'s dtype and the result in `x`'s."""
-    out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+def linear(x: torch.Tensor, weight: torch.Tensor | MatvecWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` with the product in `weight`'s dtype and the result in `x`'s; a
+    `MatvecWeight` (bf16) takes one row by its own kernel."""
+    if isinstance(weight, MatvecWeight):
+        out = weight.product(x).to(x.dtype)
+    else:
+        out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
     return out if bias is None else out + bias
 
 
@@ -43,7 +50,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv: torch.Tensor,
+def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv: torch.Tensor | MatvecWeight,
                      b_qkv: torch.Tensor | None, qk_norm: torch.Tensor | None, cos: torch.Tensor,
                      sin_signed: torch.Tensor, q_heads: int, kv_heads: int,
                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,9 +73,10 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv: t
     return query, key, value
 
 
-def layer_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor | None,
-                 norm_w: torch.Tensor, eps: float, w_gate_up: torch.Tensor, b_gate_up: torch.Tensor | None,
-                 w_down: torch.Tensor, b_down: torch.Tensor | None) -> torch.Tensor:
+def layer_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor | MatvecWeight,
+                 b_o: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                 w_gate_up: torch.Tensor | MatvecWeight, b_gate_up: torch.Tensor | None,
+                 w_down: torch.Tensor | MatvecWeight, b_down: torch.Tensor | None) -> torch.Tensor:
     """The layer's output hidden states from its input `h` [B, q, hidden] and the attention function's
     output `attn` [B, q, heads, head_dim]: output projection and residual, then the gated SiLU MLP
     (`w_gate_up`: gate and up projections stacked in that order) and its residual."""
@@ -90,7 +98,7 @@ def between_layers(h: torch.Tensor, attn: torch.Tensor, out_args: tuple, in_args
 
 
 def final_logits(h: torch.Tensor, attn: torch.Tensor, out_args: tuple, norm_w: torch.Tensor, eps: float,
-                 lm_head: torch.Tensor) -> torch.Tensor:
+                 lm_head: torch.Tensor | MatvecWeight) -> torch.Tensor:
     """The last layer's `layer_output`, the final norm and the LM head over the last position: logits
     [B, 1, vocab] in the activations' dtype."""
     h = layer_output(h, attn, *out_args)

@@ -3,9 +3,11 @@ in the dtype a one-token product reads fastest, and which models the lean step c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from s4r.kernels.bf16_matvec import matvec_weights
 
 # Decoder families whose layers are transformers' Llama layout: RMSNorm (fp32 statistics, weight times
 # the normalized input), q/k/v/o projections with RoPE, optional per-head q/k RMSNorm (Qwen3), and a gated
@@ -33,6 +35,11 @@ class LayerWeights:
     def input_args(self, eps: float) -> tuple:
         """The arguments of `lean_ops.attention_inputs` after `h` and before `cos`."""
         return (self.norm_in, eps, self.w_qkv, self.b_qkv, self.qk_norm)
+
+    def with_matvec(self) -> LayerWeights:
+        """The same layer with its matrices as `bf16_matvec.MatvecWeight`s where that product runs."""
+        w_qkv, w_o, w_gate_up, w_down = matvec_weights([self.w_qkv, self.w_o, self.w_gate_up, self.w_down])
+        return replace(self, w_qkv=w_qkv, w_o=w_o, w_gate_up=w_gate_up, w_down=w_down)
 
     def output_args(self, eps: float) -> tuple:
         """The arguments of `lean_ops.layer_output` after `h` and `attn`."""

@@ -13,7 +13,6 @@ compiler; `available` keeps it off CPUs without it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -29,9 +28,7 @@ COLUMNS = 64  # output columns per run: four 16-lane accumulators for each of it
 def available() -> bool:
     """Whether the fused kernels run here and the CPU numba compiles for has AVX512-BF16;
     `S4R_BF16_PRODUCTS=0` keeps the fp32 products."""
-    if os.environ.get("S4R_BF16_PRODUCTS") == "0":
-        return False
-    return jit.compiles_for("avx512f", "avx512bf16") and jit.available()
+    return jit.bf16_instructions()
 
 
 if numba is not None:
@@ -40,19 +37,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import ir_at, ir_loop, ir_splat
-
-    class _BFloat(ir.Type):
-        """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
-
-        def _to_string(self) -> str:
-            return "bfloat"
-
-        def __eq__(self, other: object) -> bool:
-            return isinstance(other, _BFloat)
-
-        def __hash__(self) -> int:
-            return hash("bfloat")
+    from s4r.kernels.jit import BFloat, ir_at, ir_loop, ir_splat
 
     def _run_codegen(rows: int, lanes: int):
         """LLVM IR of `_run` over `rows` left rows and 16 * lanes columns."""
@@ -60,7 +45,7 @@ if numba is not None:
         def codegen(context, builder, signature, args):
             left, left_row, right, right_row, pairs, out, out_row, scale = args
             i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-            vf, vi, vb = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(_BFloat(), 32)
+            vf, vi, vb = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(BFloat(), 32)
             dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vb, vb]),
                                                  "llvm.x86.avx512bf16.dpbf16ps.512")
 

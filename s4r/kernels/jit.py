@@ -1,7 +1,8 @@
 """numba plumbing the kernels share: availability (one line logged, once, and the instructions numba
 compiles for), the compile decorator, bit casts, bf16 widening/rounding, a vectorizable exp, a row maximum,
 rotary angles composed from two tables, a rebuilt key turned by them and the query's logits on such keys,
-and the LLVM IR pieces of the kernels that emit instructions themselves (`vnni_keys`, `bf16_products`).
+and the LLVM IR pieces of the kernels that emit instructions themselves (`vnni_keys`, `bf16_products`,
+`bf16_matvec`).
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
@@ -53,6 +54,15 @@ def available() -> bool:
     if os.environ.get("S4R_KERNELS", "").lower() == "eager":
         return False
     return not _state["failed"]
+
+
+def bf16_instructions() -> bool:
+    """Whether the fused kernels run here and the CPU numba compiles for has AVX512-BF16 (`vdpbf16ps`):
+    the bf16 kernels (`bf16_products`, `bf16_matvec`) run, unless `S4R_BF16_PRODUCTS=0` keeps torch's or
+    fp32 products."""
+    if os.environ.get("S4R_BF16_PRODUCTS") == "0":
+        return False
+    return compiles_for("avx512f", "avx512bf16") and available()
 
 
 def mark_failed(exc: BaseException) -> None:
@@ -222,6 +232,18 @@ if numba is not None:
         bits = f32_as_u32(np.float32(x))
         bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
         return np.uint16(bits >> np.uint32(16))
+
+    class BFloat(ir.Type):
+        """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
+
+        def _to_string(self) -> str:
+            return "bfloat"
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, BFloat)
+
+        def __hash__(self) -> int:
+            return hash("bfloat")
 
     def ir_at(builder, addr, offset, kind):
         """LLVM IR: a pointer to `kind` at the integer address addr + offset (intrinsics' raw addresses)."""
