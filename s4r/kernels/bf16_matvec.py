@@ -5,7 +5,7 @@ own row-major layout (nothing repacked, no second copy of the weights).
 A decode step's products are matrix-vector products, bound by the weights' bytes. Four weight rows a run
 are dotted with the input 32 bf16 values at a time, each row's sums held in a 16-lane fp32 register and
 added across its lanes at the end: one pass over the matrix, which reads it faster than torch's bf16
-product of one row does (BENCHMARKS.md, "The rest of the step").
+product of one row does (BENCHMARKS.md, "The whole step on the Xeon machine").
 
 Reference: `torch.nn.functional.linear` of the same bf16 operands, which sums in fp32 and rounds the
 result to bf16 as this does; the two differ only by the order of the fp32 additions. The lean step's
