@@ -12,6 +12,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from s4r.hf.attention import KEY_BUCKET, causal_attention, handoff
+from s4r.kernels import exact_attention, jit
+from s4r.kernels.scratch import thread_scratch
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -134,6 +136,11 @@ class FullLayer(CacheLayer):
         return keys, self.values_view
 
     def attend(self, query, key, value, scaling):
+        if key is self._handed and exact_attention.fusable(query, key):
+            try:
+                return exact_attention.fused_decode_attention(query, key, value, scaling, thread_scratch(0))
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here: the eager path
+                jit.mark_failed(exc)
         return causal_attention(query, key, value, scaling, room=self._room(key))
 
     def _room(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
