@@ -67,3 +67,29 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i % 95) for i in ids)
+
+
+def failing_kernel(monkeypatch: Any, module: Any, name: str) -> list[int]:
+    """Replace the kernel `module.name` by one that raises as a kernel that cannot compile would, with the
+    fused kernels' failure state reset (and its one log line taken as said); the returned list gets an
+    entry per call."""
+    from s4r.kernels import jit
+
+    monkeypatch.setitem(jit._state, "failed", False)
+    monkeypatch.setitem(jit._state, "warned", True)
+    calls: list[int] = []
+
+    def broken(*args: Any) -> None:
+        calls.append(1)
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(module, name, broken)
+    return calls
+
+
+def counted_kernel(monkeypatch: Any, module: Any, name: str) -> list[int]:
+    """Wrap the kernel `module.name` so that the returned list gets an entry per call."""
+    calls: list[int] = []
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or kernel(*a))
+    return calls

@@ -12,6 +12,7 @@ pytest.importorskip("numba")
 from s4r.hf import lean  # noqa: E402
 from s4r.kernels import bf16_matvec, jit  # noqa: E402
 from s4r.kernels.jit import as_numpy  # noqa: E402
+from tests.helpers import counted_kernel, failing_kernel  # noqa: E402
 from tests.test_lean_step import STEPS, _decode, _model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not bf16_matvec.available(), reason="no AVX512-BF16 here")
@@ -64,15 +65,7 @@ def test_a_weight_takes_any_one_row_and_leaves_more_rows_to_torch():
 
 
 def test_a_failing_kernel_falls_back_to_torchs_product_once(monkeypatch):
-    monkeypatch.setitem(jit._state, "failed", False)
-    monkeypatch.setitem(jit._state, "warned", True)
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("no such instruction")
-
-    monkeypatch.setattr(bf16_matvec, "bf16_matvec", broken)
+    calls = failing_kernel(monkeypatch, bf16_matvec, "bf16_matvec")
     weight, x = _operands(8, 64, 2)
     w = bf16_matvec.MatvecWeight(weight)
     want = F.linear(x, weight)
@@ -94,9 +87,7 @@ def test_the_lean_step_with_the_kernel_gives_torchs_logits(arch, monkeypatch):
     """A bf16 model's lean step (its products by the kernel) against the same step with torch's products:
     the same logits up to a bf16 step; the kernel ran for every matrix of every step."""
     model = _model(arch, dtype=torch.bfloat16)
-    calls = []
-    kernel = bf16_matvec.bf16_matvec
-    monkeypatch.setattr(bf16_matvec, "bf16_matvec", lambda *a: calls.append(1) or kernel(*a))
+    calls = counted_kernel(monkeypatch, bf16_matvec, "bf16_matvec")
     reference = _decode(model, "lean-torch")
     assert not calls
     got = _decode(model, "lean-eager")

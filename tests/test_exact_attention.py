@@ -12,6 +12,7 @@ from s4r.hf.attention import causal_attention  # noqa: E402
 from s4r.kernels import exact_attention, jit  # noqa: E402
 from s4r.kernels.scratch import Scratch  # noqa: E402
 from s4r.layers.full import FullLayer  # noqa: E402
+from tests.helpers import counted_kernel, failing_kernel  # noqa: E402
 from tests.test_lean_step import _decode, _model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not exact_attention.available(), reason="no AVX512-BF16 here")
@@ -85,9 +86,7 @@ def _layer(tokens: int, heads: int = 2, width: int = 64) -> tuple[FullLayer, tor
 def test_the_full_cache_takes_the_kernel_for_its_own_keys(monkeypatch):
     layer, keys, values = _layer(40)
     query = torch.randn(1, 4, 1, 64).bfloat16()
-    calls = []
-    kernel = exact_attention.decode_attention
-    monkeypatch.setattr(exact_attention, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    calls = counted_kernel(monkeypatch, exact_attention, "decode_attention")
     got = layer.attend(query, keys, values, 0.125)
     assert calls == [1]
     want = _reference(query, keys, values, 0.125)
@@ -97,15 +96,7 @@ def test_the_full_cache_takes_the_kernel_for_its_own_keys(monkeypatch):
 
 
 def test_a_failing_kernel_falls_back_to_the_eager_path_once(monkeypatch):
-    monkeypatch.setitem(jit._state, "failed", False)
-    monkeypatch.setitem(jit._state, "warned", True)
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("no such instruction")
-
-    monkeypatch.setattr(exact_attention, "decode_attention", broken)
+    calls = failing_kernel(monkeypatch, exact_attention, "decode_attention")
     layer, keys, values = _layer(30)
     query = torch.randn(1, 2, 1, 64).bfloat16()
     want = causal_attention(query, keys, values, 0.125)
@@ -119,9 +110,7 @@ def test_a_full_cache_decodes_as_its_eager_attention_does(arch, monkeypatch):
     """A bf16 model with 64-column heads decoding over the full cache: the kernel ran every layer of every
     step, and the logits are the eager attention's (S4R_KERNELS=eager) up to bf16 steps."""
     model = _model(arch, dtype=torch.bfloat16, head_dim=64)
-    calls = []
-    kernel = exact_attention.decode_attention
-    monkeypatch.setattr(exact_attention, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    calls = counted_kernel(monkeypatch, exact_attention, "decode_attention")
     got = _decode(model, "lean-eager")
     steps, layers = got.shape[0], model.config.num_hidden_layers
     assert len(calls) == steps * layers

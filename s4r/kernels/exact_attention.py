@@ -216,8 +216,8 @@ def _part(q, k, v, t0, t1, scaling, lg, top, total, acc):
 def decode_attention(q, k, v, n, scaling, out, lg, top, total, acc, parts):
     """out [H, G, D] (bf16 bits) = one token's exact attention of the query rows q [H, G, D] (bf16 bits; G
     rows share KV head h) over the first n keys and values k, v [H, >=n, D] (bf16 bits). Scratch: lg
-    [H * parts, G, >= span] fp32 logits, top and total [H * parts, G], acc [H * parts, G, D], where each
-    head's tokens split into `parts` ranges of `span`; 64 | D."""
+    [H * parts, G, >= span] fp32 logits, top and total [H * parts, G] (top left holding each part's rescale
+    factor), acc [H * parts, G, D], where each head's tokens split into `parts` ranges of `span`; 64 | D."""
     heads = q.shape[0]
     span = -(-n // (parts * 4)) * 4
     for w in prange(heads * parts):
@@ -230,13 +230,15 @@ def decode_attention(q, k, v, n, scaling, out, lg, top, total, acc, parts):
             for p in range(parts):
                 m = max(m, top[h * parts + p, g])
             s = np.float32(0.0)
-            for p in range(parts):
-                s += total[h * parts + p, g] * fast_exp(top[h * parts + p, g] - m)
+            for p in range(parts):  # each part's maximum becomes its rescale factor, made once
+                factor = fast_exp(top[h * parts + p, g] - m)
+                top[h * parts + p, g] = factor
+                s += total[h * parts + p, g] * factor
             inv = np.float32(1.0) / s
             for i in range(q.shape[2]):
                 x = np.float32(0.0)
                 for p in range(parts):
-                    x += acc[h * parts + p, g, i] * fast_exp(top[h * parts + p, g] - m)
+                    x += acc[h * parts + p, g, i] * top[h * parts + p, g]
                 out[h, g, i] = round_bf16(x * inv)
 
 
@@ -248,9 +250,7 @@ def fused_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     _, q_heads, _, width = query.shape
     heads, n = key.shape[1], key.shape[2]
     group, parts = q_heads // heads, jit.parts()
-    rows = query.reshape(heads, group, width)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = query.reshape(heads, group, width).contiguous()
     span = -(-n // (parts * 4)) * 4
     span = -(-span // SPAN_BUCKET) * SPAN_BUCKET
     work = heads * parts
