@@ -116,7 +116,7 @@ class S4RConfig:
     # faster, and answers as well), "float32" (fp32 products through byte planes), "int8" (on a CPU with
     # int8 coefficients: one int8 product, the lead band's codes as stored, the lower bands rounded to its
     # step, the basis in int8 per key dimension) or "auto" ("int8" where the CPU has int8 dot products,
-    # else "model"); docs/design.md
+    # else "model"; "model" for a bf16 model's large bases on AMX-BF16); docs/design.md
     rebuild_dtype: Literal["auto", "model", "float32", "int8"] = "auto"
     top_k: int | None = None
     pool_kernel: int = 7

@@ -320,3 +320,21 @@ def test_undo_rope_is_the_formula_and_inverts_apply_rope(x_dtype, table_dtype):
     plain = torch.randn(3, 50, 16, generator=g)
     turned = apply_rope(plain, cos.float(), sin.float())
     torch.testing.assert_close(undo_rope(turned, cos.float(), sin.float()), plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("large", [True, False])
+def test_auto_rebuild_takes_amx_bf16_only_for_a_large_bf16_basis(dtype, amx, large, monkeypatch):
+    """`rebuild_dtype="auto"` on a CPU with int8 products: int8, except a bf16 model's basis of at least
+    `AMX_REBUILD_MACS` on AMX-BF16, which rebuilds in bf16."""
+    from s4r.kernels import jit
+    from s4r.layers import lowrank_rebuild
+
+    layer, _, _ = pre_rope_layer(3, 300, "layer", "8:2,4:3,2:3", True, dtype, rebuild="auto")
+    monkeypatch.setattr(jit, "int8_products", lambda: True)
+    monkeypatch.setattr(jit, "cpu_flags", lambda: ["avx512f", "amx_bf16"] if amx else ["avx512f"])
+    size = layer.basis_k.numel()
+    monkeypatch.setattr(lowrank_rebuild, "AMX_REBUILD_MACS", size if large else size + 1)
+    assert layer.rebuild_int8 == (not (amx and large and dtype == torch.bfloat16))
+    assert layer.rebuild_dtype == dtype

@@ -131,7 +131,7 @@ def inline(fn: Callable) -> Callable:
     return numba.njit(cache=True, fastmath=FASTMATH, inline="always", error_model="numpy")(fn)
 
 
-def _cpu_flags() -> list[str]:
+def cpu_flags() -> list[str]:
     """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     if "flags" not in _state:
         try:
@@ -145,7 +145,7 @@ def _cpu_flags() -> list[str]:
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), where oneDNN's bf16 products
     outrun its fp32 ones; without them (AVX2) they run tens of times slower (BENCHMARKS.md, decode speed)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -153,7 +153,7 @@ def int8_products() -> bool:
     """Whether this CPU has int8 dot-product instructions (VNNI or AMX-INT8) and torch's int8 matrix
     product (`torch._int_mm`) runs here: oneDNN's int8 products then run about twice its bf16 ones."""
     if "int8_products" not in _state:
-        flags = _cpu_flags()
+        flags = cpu_flags()
         ok = any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
         if ok:
             try:

@@ -19,6 +19,10 @@ from s4r.kernels import jit
 
 # the selected-token counts a model-dtype rebuild rounds up to (see `_model_dtype_key_logits`)
 REBUILD_BUCKET = 128
+# multiply-adds a rebuilt key costs (the basis's size) from which a bf16 model on a CPU with AMX-BF16
+# rebuilds in bf16, not int8: oneDNN's AMX products outrun the int8 kernel there, small ones do not
+# (BENCHMARKS.md, "qwen3-0.6b at 32,768 tokens")
+AMX_REBUILD_MACS = 1 << 17
 
 
 def gpu_kernels(layer) -> ModuleType | None:
@@ -139,11 +143,17 @@ class KeyRebuild:
     @property
     def rebuild_int8(self) -> bool:
         """Whether a decode step rebuilds its selected keys by one int8 product: `rebuild_dtype="int8"`, or
-        "auto" on a CPU with int8 dot products, where the coefficients are int8-coded on a CPU."""
+        "auto" on a CPU with int8 dot products (unless AMX-BF16 products are faster: `AMX_REBUILD_MACS`),
+        where the coefficients are int8-coded on a CPU."""
         choice = self.cfg.rebuild_dtype
         if choice not in ("int8", "auto") or self._sk is None or self.basis_k.device.type != "cpu":
             return False
-        return choice == "int8" or jit.int8_products()
+        return choice == "int8" or (jit.int8_products() and not self._amx_rebuild())
+
+    def _amx_rebuild(self) -> bool:
+        """Whether `rebuild_dtype="auto"` rebuilds a bf16 model's keys in bf16 on this CPU's AMX tiles."""
+        return (self.dtype == torch.bfloat16 and self.basis_k.numel() >= AMX_REBUILD_MACS
+                and "amx_bf16" in jit.cpu_flags())
 
     def _key_columns(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The int8 (or model-dtype) band of the stored keys `idx` [B, k], gathered by column from the
