@@ -236,7 +236,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         project_queries(qs, cos_q[-window:], sin_q[-window:], undo, ccos, csin, v.blocks_k, v.lead, scaling,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
-        products = exact_products(rows, e)
+        products = exact_products(rows)
         if products:  # a document's block through the selection: its own tokens, still in the buffer
             exact_logits_product(q, v.ek, e, scaling, el, scratch.get("exact_keys", (heads, e, d)))
         else:
