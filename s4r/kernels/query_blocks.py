@@ -15,7 +15,7 @@ import torch
 from s4r.kernels.jit import compose_angles, fine_shift, inline, kernel, rotated_row
 
 # query rows per KV head from which logits and values are matrix products: the selected tokens' and the exact
-# ones' (even a question's few buffered tokens: the loops' value sums ran 3x slower, BENCHMARKS.md, the chat)
+# ones' (even a question's few buffered tokens, whose loops ran slower: docs/design.md, "Blocks of queries")
 PRODUCT_ROWS = 16
 
 
