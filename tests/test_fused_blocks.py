@@ -72,7 +72,9 @@ def test_a_block_over_segments_is_the_eager_block(key_space):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_block_over_a_long_buffer_is_the_eager_block(dtype):
     """A document's block through the selection: hundreds of its own tokens still exact in the buffer, whose
-    logits and values the fused step takes as products (`exact_products`)."""
+    logits and values the fused step takes as products (`EXACT_PRODUCT`)."""
+    from s4r.kernels.query_blocks import EXACT_PRODUCT
+
     q_heads, kv_heads = 9, 3
     cfg = replace(CONFIGS["pre-rope"], dense_queries=0, buffer_tokens=512)
     keys, values, queries = kv_data(kv_heads, q_heads, 700, dtype)
@@ -81,7 +83,7 @@ def test_a_block_over_a_long_buffer_is_the_eager_block(dtype):
     layer.update(torch.randn(1, kv_heads, 300, D, generator=g).to(dtype),
                  torch.randn(1, kv_heads, 300, D, generator=g).to(dtype))
     fused, eager, twin = step_both(layer, q_heads, kv_heads, dtype, positions=20)
-    assert twin.exact_length >= 300
+    assert twin.exact_length >= EXACT_PRODUCT
     if dtype == torch.float32:
         assert selected_sets(layer) == selected_sets(twin)
         torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)

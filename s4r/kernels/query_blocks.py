@@ -14,9 +14,10 @@ import torch
 
 from s4r.kernels.jit import compose_angles, fine_shift, inline, kernel, rotated_row
 
-# query rows per KV head from which logits and values are matrix products: the selected tokens' and the exact
-# ones' (even a question's few buffered tokens, whose loops ran slower: docs/design.md, "Blocks of queries")
-PRODUCT_ROWS = 16
+PRODUCT_ROWS = 16  # query rows per KV head from which logits and value rows are matrix products
+# exact tokens from which a block's exact logits and values are products too: a document's blocks through the
+# selection (`dense_queries=0`) attend the document's own tokens, still exact in the buffer
+EXACT_PRODUCT = 256
 
 
 def window_rows(x: np.ndarray, heads: int, group: int, positions: int, window: int,
@@ -39,10 +40,10 @@ def mask_later_tokens(el: np.ndarray, seg, heads: int, positions: int) -> None:
         rows[:, :, i, max(e - positions + i + 1, e - seg._n_buf) :] = -np.inf
 
 
-def exact_products(rows: int) -> bool:
-    """Whether a step's exact logits and values (`rows` query rows per KV head) are products
-    (`exact_logits_product`, `exact_values_product`) rather than the kernels' loops."""
-    return rows > PRODUCT_ROWS
+def exact_products(rows: int, e: int) -> bool:
+    """Whether a step's exact logits and values (`e` exact tokens, `rows` query rows per KV head) are
+    products (`exact_logits_product`, `exact_values_product`) rather than the kernels' loops."""
+    return rows > PRODUCT_ROWS and e >= EXACT_PRODUCT
 
 
 def _tensor(x: np.ndarray) -> torch.Tensor:

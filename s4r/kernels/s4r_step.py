@@ -236,8 +236,8 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
         project_queries(qs, cos_q[-window:], sin_q[-window:], undo, ccos, csin, v.blocks_k, v.lead, scaling,
                         q8, qscale, qfull)
         el = scratch.np("el", (heads * rows, e))
-        products = exact_products(rows)
-        if products:  # a block's many rows: the buffered tokens (a document's own, in its blocks) as products
+        products = exact_products(rows, e)
+        if products:  # a document's block through the selection: its own tokens, still in the buffer
             exact_logits_product(q, v.ek, e, scaling, el, scratch.get("exact_keys", (heads, e, d)))
         else:
             exact_logits(q, v.ek, e, scaling, el)
