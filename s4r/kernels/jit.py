@@ -287,21 +287,21 @@ if numba is not None:
 
     @inline
     def fast_exp(x):
-        """exp(x) in float32 for x <= 0 (relative error below 2e-6), as a polynomial of 2^frac times a
-        power of two built from its exponent bits: unlike `math.exp` it vectorizes."""
+        """exp(x) in float32 for x <= 0 (relative error below 5e-6; 0 below -80, whose products would be slow
+        denormals), a polynomial of 2^frac times a power of two from its exponent bits: it vectorizes."""
         x = max(np.float32(x), np.float32(-87.0))
         t = x * np.float32(1.4426950408889634)
         i = np.int32(t)  # truncation toward zero: frac in (-1, 0]
         f = t - np.float32(i)
-        p = np.float32(1.5252734e-5)
-        p = p * f + np.float32(1.5403530e-4)
+        p = np.float32(1.5252734e-5) * f + np.float32(1.5403530e-4)
         p = p * f + np.float32(1.3333558e-3)
         p = p * f + np.float32(9.6181291e-3)
         p = p * f + np.float32(5.5504109e-2)
         p = p * f + np.float32(2.4022651e-1)
         p = p * f + np.float32(6.9314718e-1)
         p = p * f + np.float32(1.0)
-        return p * u32_as_f32(np.uint32(i + 127) << np.uint32(23))
+        big = x > np.float32(-80.0)
+        return p * u32_as_f32(np.uint32(i + 127) << np.uint32(23)) if big else np.float32(0.0)
 
 
 LANES = 64  # running maxima kept side by side: a single running maximum waits on each compare
