@@ -213,13 +213,13 @@ def _part(q, k, v, t0, t1, scaling, lg, top, total, acc):
 
 
 @split_kernel
-def decode_attention(q, k, v, n, scaling, out, lg, top, total, acc, parts):
+def decode_attention(q, k, v, n, span, scaling, out, lg, top, total, acc, parts):
     """out [H, G, D] (bf16 bits) = one token's exact attention of the query rows q [H, G, D] (bf16 bits; G
-    rows share KV head h) over the first n keys and values k, v [H, >=n, D] (bf16 bits). Scratch: lg
-    [H * parts, G, >= span] fp32 logits, top and total [H * parts, G] (top left holding each part's rescale
-    factor), acc [H * parts, G, D], where each head's tokens split into `parts` ranges of `span`; 64 | D."""
+    rows share KV head h) over the first n keys and values k, v [H, >=n, D] (bf16 bits), each head's tokens
+    split into `parts` ranges of `span` (parts * span >= n). Scratch: lg [H * parts, G, >= span] fp32
+    logits, top and total [H * parts, G] (top left holding each part's rescale factor), acc
+    [H * parts, G, D]; 64 | D."""
     heads = q.shape[0]
-    span = -(-n // (parts * 4)) * 4
     for w in prange(heads * parts):
         h, p = w // parts, w % parts
         t0, t1 = min(n, p * span), min(n, (p + 1) * span)
@@ -251,13 +251,12 @@ def fused_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     heads, n = key.shape[1], key.shape[2]
     group, parts = q_heads // heads, jit.parts()
     rows = query.reshape(heads, group, width).contiguous()
-    span = -(-n // (parts * 4)) * 4
-    span = -(-span // SPAN_BUCKET) * SPAN_BUCKET
+    span = -(-n // (parts * 4)) * 4  # a multiple of 4 tokens a part
     work = heads * parts
-    lg = scratch.np("full_logits", (work, group, span))
+    lg = scratch.np("full_logits", (work, group, -(-span // SPAN_BUCKET) * SPAN_BUCKET))
     top, total = scratch.np("full_top", (work, group)), scratch.np("full_total", (work, group))
     acc = scratch.np("full_sums", (work, group, width))
     out = torch.empty(heads, group, width, dtype=torch.bfloat16)
-    decode_attention(as_numpy(rows), as_numpy(key[0]), as_numpy(value[0]), n, scaling, as_numpy(out), lg,
-                     top, total, acc, parts)
+    decode_attention(as_numpy(rows), as_numpy(key[0]), as_numpy(value[0]), n, span, scaling, as_numpy(out),
+                     lg, top, total, acc, parts)
     return out.view(1, q_heads, 1, width)
