@@ -249,31 +249,35 @@ def _words(buffers: Buffers, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def key_pair_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int, coarse: np.ndarray,
                     fine: np.ndarray, scaling: float, col_scale: np.ndarray, row_scale: np.ndarray,
-                    out: np.ndarray, buffers: Buffers) -> None:
+                    out: np.ndarray, buffers: Buffers, multiply: Callable = product) -> None:
     """`query_blocks.rotate_keys` then `query_blocks.key_logits_product` in bf16: the keys rotated into
-    bf16 pairs (`rotate_key_pairs`), the query rows rounded to bf16 too, one `product` a head."""
+    bf16 pairs (`rotate_key_pairs`), the query rows rounded to bf16 too, one `multiply` (`product` or
+    `amx_products.product`, which takes head dimensions of whole tiles) a head."""
     heads, rows, d = q.shape
     k = idx.shape[0]
     pairs = _words(buffers, "key_pairs", (keys.shape[0], keys.shape[2] // 2, -(-k // 16) * 16))
     rotate_key_pairs(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, pairs)
     left = _words(buffers, "query_pairs", (heads * rows, d // 2))
     pair_rows(q.reshape(heads * rows, d), d, left)  # every head's rows at once
+    multiply = multiply if d % 32 == 0 else product
     for h in range(heads):
         right = pairs[0, h * d // 2 : (h + 1) * d // 2] if pairs.shape[0] == 1 else pairs[h]
-        product(left[h * rows : (h + 1) * rows], right, d // 2, scaling, out[h * rows : (h + 1) * rows], k)
+        multiply(left[h * rows : (h + 1) * rows], right, d // 2, scaling, out[h * rows : (h + 1) * rows], k)
 
 
 def value_pair_rows(probs: np.ndarray, k: int, decoded: np.ndarray, rows: int,
-                    buffers: Buffers) -> np.ndarray:
+                    buffers: Buffers, multiply: Callable = product) -> np.ndarray:
     """`query_blocks.value_rows_product` in bf16: z [G, M, r_v] (a view of `buffers`), z[b, m] =
-    probs[b * M + m, :k] @ decoded[b, :k], both operands rounded to bf16, one `product` a group."""
+    probs[b * M + m, :k] @ decoded[b, :k], both operands rounded to bf16, one `multiply` a group."""
     groups, _, rank = decoded.shape
     width = -(-rank // 16) * 16  # whole runs of 16 columns; the padding's columns are zero
+    pairs = (k + 1) // 2
+    depth = -(-pairs // 16) * 16  # room for whole tiles of pairs (`amx_products.product` zeroes it)
     z = buffers("z_padded", (groups, rows, width), torch.float32)
-    left = _words(buffers, "prob_pairs", (rows, (k + 1) // 2))
-    right = _words(buffers, "value_pairs", ((k + 1) // 2, width))
+    left = _words(buffers, "prob_pairs", (rows, depth))
+    right = _words(buffers, "value_pairs", (depth, width))
     for g in range(groups):
         pair_rows(probs[g * rows : (g + 1) * rows], k, left)
         pair_columns(decoded[g], k, right)
-        product(left, right, (k + 1) // 2, 1.0, z[g], width)
+        multiply(left, right, pairs, 1.0, z[g], width)
     return z[..., :rank]

@@ -10,13 +10,15 @@ layer is kept on it (`_Views`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from s4r.core.int8_rebuild import int8_basis
 from s4r.core.rope import ANGLE_STEP, angle_parts
 from s4r.core.subspace import head_blocks
-from s4r.kernels import bf16_products, jit, vnni_keys, vnni_scoring
+from s4r.kernels import amx_products, bf16_products, jit, vnni_keys, vnni_scoring
 from s4r.kernels.bf16_products import key_pair_logits, value_pair_rows
 from s4r.kernels.jit import as_numpy
 from s4r.kernels.latent_scoring import (
@@ -139,16 +141,15 @@ class _Views:
         self.lead, self.pool, self.drop = layer.plan_k.lead, cfg.pool_kernel, cfg.recon_drop
         self.chunk, self.expected, self.dtype = cfg.rope_chunk, cfg.rope_scoring == "expected", layer.dtype
         self.pre_rope = cfg.key_space == "pre_rope"
-        # a block's products of bf16 roundings where the model computes in bf16 (as its exact products do)
-        self.bf16_products = layer.dtype == torch.bfloat16 and bf16_products.available()
+        # a block's product of bf16 roundings where the model computes in bf16 (as its exact products do)
+        tiles = amx_products.product if amx_products.available() else bf16_products.product
+        self.bf16_products = tiles if layer.dtype == torch.bfloat16 and bf16_products.available() else None
         self.rotary = layer.rope.rotary if self.pre_rope else None
         self.offset = getattr(layer.rope, "offset", 0)
-        self.angles: tuple[np.ndarray, np.ndarray] | None = None
-        self.angles_upto = -1
+        self.angles, self.angles_upto = None, -1  # (coarse, fine) numpy tables once asked for
 
     def __deepcopy__(self, memo: dict) -> None:
-        # a copy's numpy arrays would be frozen copies, not views of the copied layer's tensors: a copied
-        # layer builds its own views at its first step
+        # a copy's numpy arrays would be frozen copies, not views of its tensors: it builds its own views
         return None
 
     def angle_parts(self, upto: int) -> tuple[np.ndarray, np.ndarray]:
@@ -266,8 +267,7 @@ def attend(segments: list, query: torch.Tensor, scaling: float,
     picked = picked[:count]
     results = []
     for part in parts:
-        seg = part.layer
-        mine = picked
+        seg, mine = part.layer, picked
         if len(parts) > 1:  # picked is in ascending order: each segment's tokens are one run of it
             lo, hi = np.searchsorted(picked, (part.off, part.off + seg._n))
             mine = picked[lo:hi] - part.off if part.off else picked[lo:hi]
@@ -347,7 +347,7 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
             decoded = scratch.np("value_rows", (v.groups_v, k, v.rv))
             decode_rows(idx, k, v.cv, v.sv, v.tv, v.tsv, v.bits_v, v.widths_v, False, decoded)
             if v.bf16_products:
-                z = value_pair_rows(sel, k, decoded, nrows // v.groups_v, scratch.np)
+                z = value_pair_rows(sel, k, decoded, nrows // v.groups_v, scratch.np, v.bf16_products)
             else:
                 value_rows_product(sel, k, decoded, z)
             add_value_basis_product(z.reshape(nrows, v.rv), v.blocks_v, out_np)
@@ -359,14 +359,14 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
 
 def _key_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int, coarse: np.ndarray,
                 fine: np.ndarray, scaling: float, col_scale: np.ndarray, row_scale: np.ndarray,
-                out: np.ndarray, scratch: Scratch, bf16: bool) -> None:
+                out: np.ndarray, scratch: Scratch, mul: Callable | None) -> None:
     """`rotated_key_logits` of the rebuilt keys of the tokens idx into out; for a block of queries' many
-    rows the keys rotated once (`rotate_keys`) and one product a head (of bf16 roundings with `bf16`)."""
+    rows the keys rotated once (`rotate_keys`) and one product a head (`mul`: a product of bf16 pairs)."""
     k = idx.shape[0]
     if q.shape[1] <= PRODUCT_ROWS:
         rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out)
-    elif bf16:
-        key_pair_logits(q, keys, idx, pos0, coarse, fine, scaling, col_scale, row_scale, out, scratch.np)
+    elif mul:
+        key_pair_logits(q, keys, idx, pos0, coarse, fine, scaling, col_scale, row_scale, out, scratch.np, mul)
     else:
         rotated = scratch.np("rotated", (keys.shape[0], k, keys.shape[2]))
         rotate_keys(keys, idx, k, pos0, coarse, fine, col_scale, row_scale, rotated)
