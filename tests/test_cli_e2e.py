@@ -85,7 +85,23 @@ def test_ask_json_has_every_key(smollm2: Any, excerpt: Path) -> None:
 
 
 def test_save_in_repl_then_load_gives_the_same_answer(smollm2: object, excerpt: Path, tmp_path: Path) -> None:
-    """/save from a REPL over a real session, then `s4r ask --load` in a new process, same question."""
+    """/save from a REPL over a real session, then `s4r ask --load` in a new process, same question; both
+    on one thread (a split kernel sums in another order, and a greedy answer may follow it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        in_repl, cache = _repl_answer_after_save(smollm2, excerpt, tmp_path)
+    finally:
+        torch.set_num_threads(before)
+    p = s4r("ask", QUESTION, "--load", str(cache), "-n", MAX_NEW, "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == in_repl
+
+
+def _repl_answer_after_save(smollm2: object, excerpt: Path, tmp_path: Path) -> tuple[str, Path]:
+    """A REPL's answer to QUESTION over `excerpt`, asked after `/save`, and the saved file."""
     from s4r.runtime.session import Session
     from s4r_cli.generation_settings import GenerationSettings
     from s4r_cli.repl import ChatState, CommandHandler
@@ -104,10 +120,7 @@ def test_save_in_repl_then_load_gives_the_same_answer(smollm2: object, excerpt: 
     assert handler.handle(QUESTION)
     in_repl = buffer.getvalue().strip()
     assert in_repl
-
-    p = s4r("ask", QUESTION, "--load", str(cache), "-n", MAX_NEW)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == in_repl
+    return in_repl, cache
 
 
 def test_load_refuses_a_cache_made_with_other_settings(smollm2: object, excerpt: Path,
