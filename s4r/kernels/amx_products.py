@@ -146,7 +146,8 @@ def product(left, right, pairs, scale, out, n):
     config[0] = 1
     for t in range(8):
         config[16 + 2 * t], config[48 + t] = 64, TILE
-    edge_rows = np.zeros((2 * TILE, depth), np.uint32)  # the last rows where fewer than 32 remain
+    # the last rows where fewer than 32 remain, zero past them (none where the rows are whole blocks)
+    edge_rows = np.zeros((2 * TILE if rows % (2 * TILE) else 0, depth), np.uint32)
     sums = np.empty((2 * TILE, 2 * TILE), np.float32)  # a block of sums partly past the output
     a_row, b_row, o_row = left.strides[0], right.strides[0], out.strides[0]
     blocks = depth // TILE
@@ -156,7 +157,6 @@ def product(left, right, pairs, scale, out, n):
         a, a_stride = left.ctypes.data + m0 * a_row, a_row
         if count < 2 * TILE:
             edge_rows[:count] = left[m0:rows, :depth]
-            edge_rows[count:] = 0
             a, a_stride = edge_rows.ctypes.data, edge_rows.strides[0]
         for n0 in range(0, n, 2 * TILE):
             cols = min(2 * TILE, n - n0)
