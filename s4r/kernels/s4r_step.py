@@ -21,6 +21,7 @@ from s4r.core.subspace import head_blocks
 from s4r.kernels import amx_products, bf16_products, jit, vnni_keys, vnni_scoring
 from s4r.kernels.bf16_products import key_pair_logits, value_pair_rows
 from s4r.kernels.jit import as_numpy
+from s4r.kernels.latent_key_logits import latent_key_logits
 from s4r.kernels.latent_scoring import (
     combine_normalisers,
     exact_logits,
@@ -49,7 +50,6 @@ from s4r.kernels.sparse_attention import (
     band_arrays,
     decode_rows,
     decode_rows_int8,
-    latent_key_logits,
     rebuild_work_dtype,
     rotated_key_logits,
     softmax_exact_values,
@@ -333,9 +333,8 @@ def _attend_part(part: _Part, idx: np.ndarray, q: np.ndarray, logits: np.ndarray
                 _key_logits(q, keys_np, block, pos0, coarse, fine, scaling, v.col_scale, no_scale,
                             sel[:, start:end], scratch, v.bf16_products)
     else:
-        qtail = scratch.np("qtail", (nrows, part.qfull.shape[1] - v.lead))
-        np.multiply(part.qfull[:, v.lead:], np.float32(scaling), out=qtail)
-        latent_key_logits(logits, part.off, idx, k, qtail, v.tk, v.tsk, v.bits_k, v.widths_k, rows, sel)
+        latent_key_logits(logits, part.off, idx, k, part.qfull, v.lead, np.float32(scaling), v.tk, v.tsk,
+                          v.bits_k, v.widths_k, sel)
     out_np = np.empty((heads, rows, d), np.float32)
     lse_np = np.empty((heads, rows), np.float32)
     softmax_exact_values(part.el, e, sel, k, v.ev, out_np, lse_np.reshape(-1), not part.products)

@@ -324,27 +324,6 @@ def rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, 
 
 
 @kernel
-def latent_key_logits(logits, off, idx, k, qtail, tail_codes, tail_steps, bits, widths, rows, out):
-    """Logits out[r, j] of post-RoPE keys on the selected tokens idx[:k]: their lead-band logits from the
-    scoring (logits[r, off + idx[j]]) plus the lower bands' share, qtail [R, w] (the query's lower-band
-    coefficients times the scaling) dotted with each token's decoded lower bands."""
-    nrows, width = qtail.shape
-    groups = tail_codes.shape[0]
-    dec = np.empty(width, np.float32)
-    for j in range(k):
-        t = idx[j]
-        for g in range(groups):
-            if width:
-                decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, dec)
-            first, last = (0, nrows) if groups == 1 else (g * rows, (g + 1) * rows)
-            for r in range(first, last):
-                acc = np.float32(0.0)
-                for c in range(width):
-                    acc += qtail[r, c] * dec[c]
-                out[r, j] = logits[r, off + t] + acc
-
-
-@kernel
 def softmax_exact_values(el, e, sel, k, ev, out, lse, values):
     """One softmax per query row over its exact logits el[r, :e] and selected logits sel[r, :k]: the
     selected probabilities replace sel in place, out [H, M, d] gets the exact values' share (values ev
