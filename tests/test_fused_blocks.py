@@ -252,7 +252,7 @@ def test_add_value_basis_product_is_the_kernel():
     import numpy as np
 
     from s4r.kernels.query_blocks import add_value_basis_product
-    from s4r.kernels.sparse_attention import add_value_basis
+    from s4r.kernels.step_output import add_value_basis
 
     g = torch.Generator().manual_seed(0)
     heads, rows, rank, d = 3, 40, 37, 64

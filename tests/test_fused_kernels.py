@@ -362,7 +362,7 @@ def test_weighted_value_rows_kernel_is_decoded_rows_times_probabilities(groups, 
 def test_add_value_basis_kernel_is_a_batched_product(d):
     """out[h] += z's rows of head h times head h's block of the value basis, for the head sizes with
     their own loops and one without."""
-    from s4r.kernels.sparse_attention import add_value_basis
+    from s4r.kernels.step_output import add_value_basis
 
     gen = torch.Generator().manual_seed(d)
     heads, rows, rank = 3, 3, 37

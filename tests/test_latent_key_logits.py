@@ -1,6 +1,7 @@
-"""`s4r.kernels.latent_key_logits` (post-RoPE keys' logits on the selected tokens, query rows as vector
-lanes) against the band decoder and a plain product: row counts below, at and past one vector of rows,
-one basis or one per head, bands whose width is not a multiple of the kernel's sums, no bands at all."""
+"""`s4r.kernels.sparse_attention.latent_key_logits` (post-RoPE keys' logits on the selected tokens, the query
+rows as vector lanes) against the band decoder and a plain product: row counts below, at and past one
+vector of rows, one basis or one per head, bands whose width is not a multiple of the kernel's sums, no
+bands at all."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_latent_key_logits_kernel_is_lead_logits_plus_decoded_bands_times_querie
     from s4r.core.band_plan import BandPlan
     from s4r.core.coef_bands import decode_tails
     from s4r.kernels.jit import as_numpy
-    from s4r.kernels.latent_key_logits import latent_key_logits
+    from s4r.kernels.sparse_attention import latent_key_logits
 
     lead, n, off = 12, 300, 7
     _, _, tail_codes, tail_steps = random_bands(tails, groups=groups, n=n, lead=lead)

@@ -21,7 +21,6 @@ from s4r.core.subspace import head_blocks
 from s4r.kernels import amx_products, bf16_products, jit, vnni_keys, vnni_scoring
 from s4r.kernels.bf16_products import key_pair_logits, value_pair_rows
 from s4r.kernels.jit import as_numpy
-from s4r.kernels.latent_key_logits import latent_key_logits
 from s4r.kernels.latent_scoring import (
     combine_normalisers,
     exact_logits,
@@ -46,17 +45,17 @@ from s4r.kernels.query_blocks import (
 from s4r.kernels.query_rotations import query_rotations
 from s4r.kernels.scratch import Scratch, thread_scratch
 from s4r.kernels.sparse_attention import (
-    add_value_basis,
     band_arrays,
     decode_rows,
     decode_rows_int8,
+    latent_key_logits,
     rebuild_work_dtype,
     rotated_key_logits,
-    softmax_exact_values,
     storage_fusable,
     tail_arrays,
     weighted_value_rows,
 )
+from s4r.kernels.step_output import add_value_basis, softmax_exact_values
 from s4r.kernels.token_selection import choose_tokens
 from s4r.kernels.vnni_keys import vnni_key_logits
 from s4r.kernels.vnni_scoring import vnni_latent_logits

@@ -4,28 +4,23 @@ Reference: `LatentSelection.selected_logits` (pre-RoPE keys: `_model_dtype_key_l
 `_rebuilt_key_logits`; post-RoPE keys: latent logits plus `PlanarTail.logits`) and
 `LowRankLayer.attend_chosen` with `s4r.core.latent.merged_attention`. Keys are rebuilt only for the
 selected tokens (their coefficients decoded here, the basis product left to one BLAS/oneDNN call or to
-`vnni_keys`) and rotated to their positions; the softmax runs once over sinks + outliers + buffer +
-selected tokens; values are combined in the latent space (probability-weighted coefficient rows, one
-product with the value basis at the end). A block of queries that attends every stored token rebuilds
-them all with `decode_rows` and `rotate_rows` (`s4r.layers.lowrank_dense`).
+`vnni_keys`) and rotated to their positions; values are combined in the latent space
+(probability-weighted coefficient rows; the softmax and the value basis: `s4r.kernels.step_output`). A
+block of queries that attends every stored token rebuilds them all with `decode_rows` and `rotate_rows`
+(`s4r.layers.lowrank_dense`).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 
 from s4r.kernels import jit
 from s4r.kernels.jit import (
-    LANES,
     as_f32,
     as_numpy,
-    fast_exp,
     inline,
     kernel,
-    largest,
     numba,
     prange,
     rotated_logits,
@@ -33,10 +28,11 @@ from s4r.kernels.jit import (
 )
 
 if numba is not None:
+    from llvmlite import ir
     from numba import types
-    from numba.extending import overload
+    from numba.extending import intrinsic, overload
 
-    from s4r.kernels.jit import round_bf16
+    from s4r.kernels.jit import ir_at, ir_loop, ir_splat, round_bf16
 
     def stored(x, arr):  # pragma: no cover - replaced by its overload inside kernels
         """float32 `x` as an element of `arr` (bf16 bits for a uint16 array)."""
@@ -279,29 +275,82 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
         z += zparts[p]
 
 
-@inline
-def _add_value_basis(z, basis, out, d):
-    heads, rows = out.shape[0], out.shape[1]
-    for h in range(heads):
-        for m in range(rows):
-            zr, dst = z[h * rows + m], out[h, m]
-            for c in range(basis.shape[1]):
-                w, src = zr[c], basis[h, c]
-                for i in range(d):
-                    dst[i] += w * src[i]
+ROW_LANES = 16  # query rows a vector holds (fp32): `latent_key_logits`
+CHAINS = 4  # its sums kept side by side: a multiply-add's latency is about four of its issue slots
+
+if numba is not None:
+
+    def _lane_dots_codegen(context, builder, signature, args):
+        rows, values, steps, out = args
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vf = ir.VectorType(f32, ROW_LANES)
+        fast = ("fast",)
+
+        def step(i, sums):
+            new = []
+            for c in range(CHAINS):
+                col = builder.add(builder.mul(i, ir.Constant(i64, CHAINS)), ir.Constant(i64, c))
+                value = builder.load(ir_at(builder, values, builder.mul(col, ir.Constant(i64, 4)), f32))
+                at = builder.mul(col, ir.Constant(i64, 4 * ROW_LANES))
+                row = builder.load(ir_at(builder, rows, at, vf), align=4)
+                product = builder.fmul(row, ir_splat(builder, value, vf), flags=fast)
+                new.append(builder.fadd(sums[c], product, flags=fast))
+            return new
+
+        sums = ir_loop(builder, steps, [ir.Constant(vf, [0.0] * ROW_LANES)] * CHAINS, step)
+        total = sums[0]
+        for c in range(1, CHAINS):
+            total = builder.fadd(total, sums[c], flags=fast)
+        builder.store(total, ir_at(builder, out, ir.Constant(i64, 0), vf), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def _lane_dots(typingctx, rows, values, steps, out):
+        """out[l] = sum over c < CHAINS * steps of values[c] * rows[c, l], l < ROW_LANES (rows fp32
+        [., ROW_LANES], values and out fp32; addresses and the step count as 64-bit integers, steps >= 1)."""
+        return types.void(types.intp, types.intp, types.intp, types.intp), _lane_dots_codegen
 
 
 @kernel
-def add_value_basis(z, basis, out):
-    """out[h, m, :] += z[h * M + m] @ basis[h]: latent value rows z [H * M, r_v] (`weighted_value_rows`'
-    sums, rows in head order) through each KV head's block of the value basis, basis [H, r_v, d]."""
-    d = out.shape[2]
-    if d == 64:  # a known trip count: the head's row is a few whole vectors
-        _add_value_basis(z, basis, out, 64)
-    elif d == 128:
-        _add_value_basis(z, basis, out, 128)
-    else:
-        _add_value_basis(z, basis, out, d)
+def latent_key_logits(logits, off, idx, k, qfull, lead, scaling, tail_codes, tail_steps, bits, widths, out):
+    """Logits out[r, j] of post-RoPE keys on the selected tokens idx[:k]: their lead-band logits from the
+    scoring (logits[r, off + idx[j]]) plus the lower bands' share, the query rows' lower-band coefficients
+    qfull[r, lead:] times `scaling` dotted with each token's decoded lower bands (tail_codes [G, N, bytes],
+    tail_steps [G, N, bands]). The R rows split evenly over the G basis groups, in group order. A token's
+    bands are decoded once and each value multiplies every row of its group at once (`_lane_dots`: the rows
+    as one vector's lanes, four sums side by side); a dot per row ends in a sum across lanes and chains its
+    adds, which ran at about two thirds of this speed (`research.profile_kernels`)."""
+    nrows = qfull.shape[0]
+    width = qfull.shape[1] - lead
+    groups = tail_codes.shape[0]
+    per = nrows // groups
+    blocks = -(-per // ROW_LANES)
+    padded = max(CHAINS, -(-width // CHAINS) * CHAINS)
+    # lanes[g, b, c, l]: row g * per + b * ROW_LANES + l's c-th lower coefficient (zeros past the rows, the
+    # columns): each value's multiply-add reaches a block of rows in one vector
+    lanes = np.zeros((groups, blocks, padded, ROW_LANES), np.float32)
+    for g in range(groups):
+        for b in range(blocks):
+            for lane in range(min(ROW_LANES, per - b * ROW_LANES)):
+                src = qfull[g * per + b * ROW_LANES + lane]
+                for c in range(width):
+                    lanes[g, b, c, lane] = src[lead + c] * scaling
+    dec = np.zeros(padded, np.float32)
+    sums = np.empty(ROW_LANES, np.float32)
+    at_dec, at_sums = np.intp(dec.ctypes.data), np.intp(sums.ctypes.data)
+    at_lanes = np.intp(lanes.ctypes.data)
+    group_stride, block_stride = np.intp(lanes.strides[0]), np.intp(lanes.strides[1])
+    steps = np.intp(padded // CHAINS)
+    for j in range(k):
+        t = idx[j]
+        for g in range(groups):
+            if width:
+                decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, dec)
+            for b in range(blocks):
+                _lane_dots(at_lanes + g * group_stride + b * block_stride, at_dec, steps, at_sums)
+                first = g * per + b * ROW_LANES
+                for lane in range(min(ROW_LANES, per - b * ROW_LANES)):
+                    out[first + lane, j] = logits[first + lane, off + t] + sums[lane]
 
 
 @kernel
@@ -321,43 +370,6 @@ def rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, 
         rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 64)
     else:
         rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half)
-
-
-@kernel
-def softmax_exact_values(el, e, sel, k, ev, out, lse, values):
-    """One softmax per query row over its exact logits el[r, :e] and selected logits sel[r, :k]: the
-    selected probabilities replace sel in place, out [H, M, d] gets the exact values' share (values ev
-    [H, >=e, d]) and lse[r] the logsumexp. Without `values`, the exact probabilities replace el in place
-    instead and out is zeroed (`query_blocks.exact_values_product` adds their share)."""
-    heads, rows, d = out.shape
-    lanes = np.empty(LANES, np.float32)
-    for h in range(heads):
-        for m in range(rows):
-            r = h * rows + m
-            top = largest(sel[r], k, lanes)
-            for t in range(e):
-                top = max(top, el[r, t])
-            total = np.float32(0.0)
-            for t in range(e):
-                total += fast_exp(el[r, t] - top)
-            for j in range(k):
-                p = fast_exp(sel[r, j] - top)
-                sel[r, j] = p
-                total += p
-            inv = np.float32(1.0) / total
-            for j in range(k):
-                sel[r, j] *= inv
-            for i in range(d):
-                out[h, m, i] = 0.0
-            if values:
-                for t in range(e):
-                    p = fast_exp(el[r, t] - top) * inv
-                    for i in range(d):
-                        out[h, m, i] += p * as_f32(ev[h, t, i])
-            else:
-                for t in range(e):
-                    el[r, t] = fast_exp(el[r, t] - top) * inv
-            lse[r] = top + np.float32(math.log(total))
 
 
 @kernel
