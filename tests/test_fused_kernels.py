@@ -249,10 +249,11 @@ def test_latent_logits_kernel_is_the_integer_product(n, groups, rows, parts):
 
 @pytest.mark.parametrize("token_last", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((2, 8),), ((8, 4), (4, 8)), ()])
+@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((4, 36), (2, 68)), ((2, 8),), ((8, 4), (4, 8)), ()])
 def test_decode_rows_kernel_is_the_band_decoder(token_last, dtype, tails):
     """Selected coefficient rows (lead band times scale, then every lower band) as `decode_tails`
-    decodes them, rounded once to the output dtype; rows past the selection zeroed."""
+    decodes them, rounded once to the output dtype; rows past the selection zeroed. The bands' bytes fill
+    whole vector runs, runs and bytes past them (18 and 17 bytes), or bytes alone."""
     from s4r.core.band_plan import BandPlan
     from s4r.core.coef_bands import decode_tails
     from s4r.core.quantize import pack_bits

@@ -15,7 +15,7 @@ pytest.importorskip("numba")
 
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("per_group", [1, 3, 16, 20])
-@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((4, 6), (2, 4)), ((2, 8),), ()])
+@pytest.mark.parametrize("tails", [((4, 32), (2, 32)), ((4, 36), (2, 36)), ((4, 6), (2, 4)), ((2, 8),), ()])
 def test_latent_key_logits_kernel_is_lead_logits_plus_decoded_bands_times_queries(groups, per_group, tails):
     from s4r.core.band_plan import BandPlan
     from s4r.core.coef_bands import decode_tails

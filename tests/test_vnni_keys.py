@@ -34,7 +34,7 @@ def test_vnni_key_logits_kernel_is_the_int8_product_then_rotated_key_logits(grou
     one run or split into runs of whole tiles (some empty): the same integer sums, rotation and dots, so
     the same logits, bit for bit in one run (the parallel build sums the dots in another order)."""
     from s4r.core.rope import angle_parts
-    from s4r.kernels.sparse_attention import rotated_key_logits
+    from s4r.kernels.rotated_keys import rotated_key_logits
 
     g = torch.Generator().manual_seed(rank * k + width)
     heads = width // d if groups == 1 else groups

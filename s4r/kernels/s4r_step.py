@@ -30,6 +30,7 @@ from s4r.kernels.latent_scoring import (
     project_queries,
     query_rows,
 )
+from s4r.kernels.layer_arrays import band_arrays, rebuild_work_dtype, storage_fusable, tail_arrays
 from s4r.kernels.query_blocks import (
     PRODUCT_ROWS,
     add_value_basis_product,
@@ -43,18 +44,9 @@ from s4r.kernels.query_blocks import (
     window_rows,
 )
 from s4r.kernels.query_rotations import query_rotations
+from s4r.kernels.rotated_keys import rotated_key_logits
 from s4r.kernels.scratch import Scratch, thread_scratch
-from s4r.kernels.sparse_attention import (
-    band_arrays,
-    decode_rows,
-    decode_rows_int8,
-    latent_key_logits,
-    rebuild_work_dtype,
-    rotated_key_logits,
-    storage_fusable,
-    tail_arrays,
-    weighted_value_rows,
-)
+from s4r.kernels.sparse_attention import decode_rows, decode_rows_int8, latent_key_logits, weighted_value_rows
 from s4r.kernels.step_output import add_value_basis, softmax_exact_values
 from s4r.kernels.token_selection import choose_tokens
 from s4r.kernels.vnni_keys import vnni_key_logits

@@ -13,17 +13,13 @@ block of queries that attends every stored token rebuilds them all with `decode_
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from s4r.kernels import jit
 from s4r.kernels.jit import (
     as_f32,
-    as_numpy,
     inline,
     kernel,
     numba,
     prange,
-    rotated_logits,
     split_kernel,
 )
 
@@ -48,87 +44,115 @@ else:  # pragma: no cover
         return x
 
 
-def storage_fusable(layer) -> bool:
-    """Whether these kernels can read `layer`'s storage (the decode step and a block's rebuild ask it
-    first): a CPU, int8 coefficients, bf16 or fp32 tensors, static rotary frequencies for pre-RoPE keys,
-    the kernels not turned off."""
-    cfg = layer.cfg
-    if cfg.kernels == "eager" or layer.basis_k.device.type != "cpu" or layer._sk is None:
-        return False
-    if layer.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if cfg.key_space == "pre_rope" and not hasattr(layer.rope, "rotary"):
-        return False
-    return jit.available()
+UNPACKED = 32  # values a vector run decodes: 16 bytes of a 4-bit band, 8 of a 2-bit one
 
+if numba is not None:
 
-def rebuild_work_dtype(layer) -> torch.dtype:
-    """The dtype stored keys are rebuilt in: the eager step's (`rebuild_dtype`) where the CPU has bf16
-    products, fp32 where bf16 ones are emulated (tens of times slower there: BENCHMARKS.md, decode speed)."""
-    return layer.rebuild_dtype if jit.native_bf16() else torch.float32
+    def _unpack_codegen(bits: int):
+        """LLVM IR decoding 32 // (8 // bits) bytes of `bits`-bit codes into UNPACKED fp32 values."""
+        per = 8 // bits
+        nbytes = UNPACKED // per
 
+        def codegen(context, builder, signature, args):
+            src, step, dst = args
+            i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+            vi = ir.VectorType(i32, nbytes)
+            vf = ir.VectorType(f32, nbytes)
+            zero = ir.Constant(i64, 0)
+            packed = builder.load(ir_at(builder, src, zero, ir.VectorType(i8, nbytes)), align=1)
+            codes = builder.zext(packed, vi)
+            offset = ir.Constant(vf, [float((1 << bits) / 2 - 0.5)] * nbytes)
+            scale = ir_splat(builder, step, vf)
+            parts = []
+            for s in range(per):
+                c = builder.and_(builder.lshr(codes, ir.Constant(vi, [s * bits] * nbytes)),
+                                 ir.Constant(vi, [(1 << bits) - 1] * nbytes))
+                parts.append(builder.fmul(builder.fsub(builder.uitofp(c, vf), offset), scale))
 
-def band_arrays(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(bits, widths) of the layer's lower key or value bands as the kernels take them, kept while the
-    plan is the same."""
-    plan = layer.plan_k if keys else layer.plan_v
-    name = "_fused_bands_k" if keys else "_fused_bands_v"
-    memo = getattr(layer, name, None)
-    if memo is None or memo[0] is not plan:
-        bits = np.array([b for b, _ in plan.tails], dtype=np.int64)
-        widths = np.array([w for _, w in plan.tails], dtype=np.int64)
-        memo = (plan, bits, widths)
-        setattr(layer, name, memo)
-    return memo[1], memo[2]
+            def zip_two(a, b, n):  # a[0], b[0], a[1], b[1], ... of two n-lane vectors
+                lanes = [(j % 2) * n + j // 2 for j in range(2 * n)]
+                return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 2 * n), lanes))
 
+            if per == 2:
+                out = zip_two(parts[0], parts[1], nbytes)
+            else:  # byte i's codes 0, 1 from the first pair's zip, 2, 3 from the second's
+                low, high = zip_two(parts[0], parts[1], nbytes), zip_two(parts[2], parts[3], nbytes)
+                lanes = [(s // 2) * 2 * nbytes + 2 * i + s % 2 for i in range(nbytes) for s in range(4)]
+                out = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, UNPACKED), lanes))
+            builder.store(out, ir_at(builder, dst, zero, ir.VectorType(f32, UNPACKED)), align=4)
+            return context.get_dummy_value()
 
-def tail_arrays(layer, keys: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The layer's lower-band codes and steps of its keys (or values) as numpy views; empty arrays
-    where it stores no lower bands."""
-    codes, steps = (layer._tk, layer._tsk) if keys else (layer._tv, layer._tsv)
-    if codes is None:
-        groups = layer.basis_k.shape[0]
-        return np.zeros((groups, 1, 0), np.uint8), np.zeros((groups, 1, 0), np.float32)
-    return as_numpy(codes), as_numpy(steps)
+        return codegen
+
+    def _unpack_intrinsic(bits: int):
+        """An intrinsic: dst[:UNPACKED] (fp32) = the `bits`-bit codes of the bytes at src, decoded as
+        `_unpack` decodes them (addresses as 64-bit integers, step fp32)."""
+
+        def run(typingctx, src, step, dst):
+            return types.void(types.intp, types.float32, types.intp), _unpack_codegen(bits)
+
+        run.__name__ = f"_unpack_{bits}bit"
+        return intrinsic(run)
+
+    _unpack4, _unpack2 = _unpack_intrinsic(4), _unpack_intrinsic(2)
 
 
 @inline
-def _unpack(src, nbytes, b, step, out):
-    """out[:nbytes * 8 // b] = the b-bit codes of the bytes src[:nbytes], lowest bits first, decoded as
-    (c - (2^b / 2 - 0.5)) * step. The 4- and 2-bit bands get their own loops, whose fixed shifts LLVM
-    vectorizes; indices count from 0 (numba's negative-index wrap blocks vectorizing otherwise)."""
+def _unpack_rest(src, at, first, nbytes, b, step, out, col):
+    """`_unpack` of the bytes first <= i < nbytes one by one."""
     if b == 4:
-        for i in range(nbytes):
-            v = np.int32(src[i])
-            out[2 * i] = (np.float32(v & 15) - np.float32(7.5)) * step
-            out[2 * i + 1] = (np.float32(v >> 4) - np.float32(7.5)) * step
+        for i in range(first, nbytes):
+            v = np.int32(src[at + i])
+            out[col + 2 * i] = (np.float32(v & 15) - np.float32(7.5)) * step
+            out[col + 2 * i + 1] = (np.float32(v >> 4) - np.float32(7.5)) * step
     elif b == 2:
-        for i in range(nbytes):
-            v = np.int32(src[i])
-            out[4 * i] = (np.float32(v & 3) - np.float32(1.5)) * step
-            out[4 * i + 1] = (np.float32((v >> 2) & 3) - np.float32(1.5)) * step
-            out[4 * i + 2] = (np.float32((v >> 4) & 3) - np.float32(1.5)) * step
-            out[4 * i + 3] = (np.float32(v >> 6) - np.float32(1.5)) * step
+        for i in range(first, nbytes):
+            v = np.int32(src[at + i])
+            for s in range(4):
+                out[col + 4 * i + s] = (np.float32((v >> (2 * s)) & 3) - np.float32(1.5)) * step
     else:
         per = 8 // b
         mask = (1 << b) - 1
         offset = np.float32((1 << b) / 2 - 0.5)
-        for i in range(nbytes):
-            v = np.int32(src[i])
+        for i in range(first, nbytes):
+            v = np.int32(src[at + i])
             for s in range(per):
-                out[i * per + s] = (np.float32((v >> (s * b)) & mask) - offset) * step
+                out[col + i * per + s] = (np.float32((v >> (s * b)) & mask) - offset) * step
+
+
+@inline
+def _unpack(src, at, nbytes, b, step, out, col):
+    """out[col:col + nbytes * 8 // b] = the b-bit codes of the bytes src[at:at + nbytes] (both of unit
+    stride), lowest bits first, decoded as (c - (2^b / 2 - 0.5)) * step. The 4- and 2-bit bands run
+    UNPACKED values at a time through one vector intrinsic each (a byte loop over a band's 9 or 18 bytes
+    stayed scalar), the bytes left one by one; each width's constants are literal and nothing is sliced
+    (a division by a run-time width, or a view a band, cost more than the band's decoding)."""
+    done = 0
+    step = np.float32(step)
+    if b == 4:
+        at_src, at_out = np.intp(src.ctypes.data) + at, np.intp(out.ctypes.data) + 4 * col
+        while done + 16 <= nbytes:
+            _unpack4(at_src + done, step, at_out + 8 * done)
+            done += 16
+    elif b == 2:
+        at_src, at_out = np.intp(src.ctypes.data) + at, np.intp(out.ctypes.data) + 4 * col
+        while done + 8 <= nbytes:
+            _unpack2(at_src + done, step, at_out + 16 * done)
+            done += 8
+    _unpack_rest(src, at, done, nbytes, b, step, out, col)
 
 
 @inline
 def decode_tail(codes, steps, bits, widths, dst):
     """A token's lower coefficient bands (packed codes [bytes], steps [bands]) decoded in their natural
-    order into dst: code c of a b-bit band is (c - (2^b / 2 - 0.5)) * step, `coef_bands.decode_tails`."""
+    order into dst (both of unit stride): code c of a b-bit band is (c - (2^b / 2 - 0.5)) * step,
+    `coef_bands.decode_tails`."""
     byte = 0
     col = 0
     for band in range(bits.shape[0]):
         b = bits[band]
         nbytes = widths[band] * b // 8
-        _unpack(codes[byte : byte + nbytes], nbytes, b, as_f32(steps[band]), dst[col : col + widths[band]])
+        _unpack(codes, byte, nbytes, b, as_f32(steps[band]), dst, col)
         byte += nbytes
         col += widths[band]
 
@@ -351,25 +375,6 @@ def latent_key_logits(logits, off, idx, k, qfull, lead, scaling, tail_codes, tai
                 first = g * per + b * ROW_LANES
                 for lane in range(min(ROW_LANES, per - b * ROW_LANES)):
                     out[first + lane, j] = logits[first + lane, off + t] + sums[lane]
-
-
-@kernel
-def rotated_key_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out):
-    """Logits out[r, j] of the query rows q [H, M, d] on the rebuilt pre-RoPE keys keys [B, >=k, W] of
-    the tokens idx[:k] (B = 1: one layer basis, head h's key at columns h*d..; B = H: per head), each
-    rotated to its position p = idx[j] + pos0 by angles composed from `rope.angle_parts`' rows coarse
-    [p >> s] and fine [p & (2^s - 1)] (cos of the d/2 pairs, then sin; 2^s fine rows).
-    Keys of an int8 product come as int32 sums: column c of basis group b is scaled by col_scale[b, c]
-    and token j's logits by row_scale[b, j]; other keys pass empty scales."""
-    half = q.shape[2] // 2
-    # the common head sizes get loops of a known trip count, which LLVM vectorizes whole (the same loops
-    # with the count known only at run time ran slower)
-    if half == 32:
-        rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 32)
-    elif half == 64:
-        rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, 64)
-    else:
-        rotated_logits(q, keys, idx, k, pos0, coarse, fine, scaling, col_scale, row_scale, out, half)
 
 
 @kernel

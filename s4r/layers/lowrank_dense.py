@@ -24,14 +24,8 @@ from s4r.core.coef_bands import decode_tails
 from s4r.core.rope import angle_rows, rotate_half
 from s4r.hf.attention import causal_attention
 from s4r.kernels.jit import as_numpy
-from s4r.kernels.sparse_attention import (
-    band_arrays,
-    decode_rows,
-    rebuild_work_dtype,
-    rotate_rows,
-    storage_fusable,
-    tail_arrays,
-)
+from s4r.kernels.layer_arrays import band_arrays, rebuild_work_dtype, storage_fusable, tail_arrays
+from s4r.kernels.sparse_attention import decode_rows, rotate_rows
 
 
 def attends_every_token(layer, q_len: int) -> bool:
