@@ -48,7 +48,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import ir_loop
+    from s4r.kernels.intrinsics import ir_loop
 
     _I8, _I64, _PTR = ir.IntType(8), ir.IntType(64), ir.IntType(8).as_pointer()
 

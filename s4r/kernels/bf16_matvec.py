@@ -36,7 +36,8 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import BFloat, ir_at, ir_loop, round_bf16
+    from s4r.kernels.intrinsics import BFloat, ir_at, ir_loop
+    from s4r.kernels.jit import round_bf16
 
     def _sum_lanes(builder, v):
         """LLVM IR: the sum of the 16 fp32 lanes of v, halved four times."""

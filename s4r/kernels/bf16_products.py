@@ -37,7 +37,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import BFloat, ir_at, ir_loop, ir_splat
+    from s4r.kernels.intrinsics import BFloat, ir_at, ir_loop, ir_splat
 
     def _run_codegen(rows: int, lanes: int):
         """LLVM IR of `_run` over `rows` left rows and 16 * lanes columns."""

@@ -46,7 +46,8 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import BFloat, ir_at, ir_loop, ir_splat, round_bf16
+    from s4r.kernels.intrinsics import BFloat, ir_at, ir_loop, ir_splat
+    from s4r.kernels.jit import round_bf16
 
     def _lane_sums(builder, vectors):
         """LLVM IR: one 16-lane vector whose lane j is the sum of the 16 lanes of vectors[j] (16 vectors):

@@ -1,8 +1,7 @@
 """numba plumbing the kernels share: availability (one line logged, once, and the instructions numba
 compiles for), the compile decorator, bit casts, bf16 widening/rounding, a vectorizable exp, a row maximum,
-rotary angles composed from two tables, a rebuilt key turned by them and the query's logits on such keys,
-and the LLVM IR pieces of the kernels that emit instructions themselves (`vnni_keys`, `bf16_products`,
-`bf16_matvec`).
+rotary angles composed from two tables, a rebuilt key turned by them and the query's logits on such keys.
+The LLVM IR pieces of the kernels that emit instructions themselves: `s4r.kernels.intrinsics`.
 
 Kernels take bf16 tensors as their raw 16-bit patterns (numba has no bf16 type): bf16 is the top half of
 an fp32, so widening is a shift and a bit cast (`as_f32`), which LLVM vectorizes along a contiguous axis.
@@ -232,53 +231,6 @@ if numba is not None:
         bits = f32_as_u32(np.float32(x))
         bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
         return np.uint16(bits >> np.uint32(16))
-
-    class BFloat(ir.Type):
-        """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
-
-        def _to_string(self) -> str:
-            return "bfloat"
-
-        def __eq__(self, other: object) -> bool:
-            return isinstance(other, BFloat)
-
-        def __hash__(self) -> int:
-            return hash("bfloat")
-
-    def ir_at(builder, addr, offset, kind):
-        """LLVM IR: a pointer to `kind` at the integer address addr + offset (intrinsics' raw addresses)."""
-        return builder.inttoptr(builder.add(addr, offset), kind.as_pointer())
-
-    def ir_splat(builder, word, vector):
-        """LLVM IR: the scalar `word` in every lane of the vector type `vector`."""
-        one = builder.insert_element(ir.Constant(vector, ir.Undefined), word, ir.Constant(ir.IntType(32), 0))
-        lanes = ir.Constant(ir.VectorType(ir.IntType(32), vector.count), [0] * vector.count)
-        return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), lanes)
-
-    def ir_loop(builder, trip, first, body):
-        """LLVM IR of a counted loop over i < trip (an i64 value, at least 1) carrying the values `first`
-        through `body(i, values) -> values`; the last values, with the builder after the loop."""
-        i64 = ir.IntType(64)
-        entry = builder.block
-        loop, done = builder.append_basic_block("loop"), builder.append_basic_block("loop_done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        i = builder.phi(i64)
-        i.add_incoming(ir.Constant(i64, 0), entry)
-        carried = []
-        for value in first:
-            phi = builder.phi(value.type)
-            phi.add_incoming(value, entry)
-            carried.append(phi)
-        new = body(i, carried)
-        nxt = builder.add(i, ir.Constant(i64, 1))
-        end = builder.block
-        i.add_incoming(nxt, end)
-        for phi, value in zip(carried, new, strict=True):
-            phi.add_incoming(value, end)
-        builder.cbranch(builder.icmp_signed("<", nxt, trip), loop, done)
-        builder.position_at_end(done)
-        return new
 
     @inline
     def pair(a, b):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from s4r.kernels.intrinsics import CHAINS, ROW_LANES
 from s4r.kernels.jit import (
     as_f32,
     inline,
@@ -24,11 +25,11 @@ from s4r.kernels.jit import (
 )
 
 if numba is not None:
-    from llvmlite import ir
     from numba import types
-    from numba.extending import intrinsic, overload
+    from numba.extending import overload
 
-    from s4r.kernels.jit import ir_at, ir_loop, ir_splat, round_bf16
+    from s4r.kernels.intrinsics import lane_dots, prefetch, unpack2, unpack4
+    from s4r.kernels.jit import round_bf16
 
     def stored(x, arr):  # pragma: no cover - replaced by its overload inside kernels
         """float32 `x` as an element of `arr` (bf16 bits for a uint16 array)."""
@@ -44,57 +45,16 @@ else:  # pragma: no cover
         return x
 
 
-UNPACKED = 32  # values a vector run decodes: 16 bytes of a 4-bit band, 8 of a 2-bit one
+AHEAD = 16  # `_fetch_ahead`: how many selected tokens ahead their rows are fetched
 
-if numba is not None:
 
-    def _unpack_codegen(bits: int):
-        """LLVM IR decoding 32 // (8 // bits) bytes of `bits`-bit codes into UNPACKED fp32 values."""
-        per = 8 // bits
-        nbytes = UNPACKED // per
-
-        def codegen(context, builder, signature, args):
-            src, step, dst = args
-            i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-            vi = ir.VectorType(i32, nbytes)
-            vf = ir.VectorType(f32, nbytes)
-            zero = ir.Constant(i64, 0)
-            packed = builder.load(ir_at(builder, src, zero, ir.VectorType(i8, nbytes)), align=1)
-            codes = builder.zext(packed, vi)
-            offset = ir.Constant(vf, [float((1 << bits) / 2 - 0.5)] * nbytes)
-            scale = ir_splat(builder, step, vf)
-            parts = []
-            for s in range(per):
-                c = builder.and_(builder.lshr(codes, ir.Constant(vi, [s * bits] * nbytes)),
-                                 ir.Constant(vi, [(1 << bits) - 1] * nbytes))
-                parts.append(builder.fmul(builder.fsub(builder.uitofp(c, vf), offset), scale))
-
-            def zip_two(a, b, n):  # a[0], b[0], a[1], b[1], ... of two n-lane vectors
-                lanes = [(j % 2) * n + j // 2 for j in range(2 * n)]
-                return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 2 * n), lanes))
-
-            if per == 2:
-                out = zip_two(parts[0], parts[1], nbytes)
-            else:  # byte i's codes 0, 1 from the first pair's zip, 2, 3 from the second's
-                low, high = zip_two(parts[0], parts[1], nbytes), zip_two(parts[2], parts[3], nbytes)
-                lanes = [(s // 2) * 2 * nbytes + 2 * i + s % 2 for i in range(nbytes) for s in range(4)]
-                out = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, UNPACKED), lanes))
-            builder.store(out, ir_at(builder, dst, zero, ir.VectorType(f32, UNPACKED)), align=4)
-            return context.get_dummy_value()
-
-        return codegen
-
-    def _unpack_intrinsic(bits: int):
-        """An intrinsic: dst[:UNPACKED] (fp32) = the `bits`-bit codes of the bytes at src, decoded as
-        `_unpack` decodes them (addresses as 64-bit integers, step fp32)."""
-
-        def run(typingctx, src, step, dst):
-            return types.void(types.intp, types.float32, types.intp), _unpack_codegen(bits)
-
-        run.__name__ = f"_unpack_{bits}bit"
-        return intrinsic(run)
-
-    _unpack4, _unpack2 = _unpack_intrinsic(4), _unpack_intrinsic(2)
+@inline
+def _fetch_ahead(idx, j, last, codes, g):
+    """Prefetch the stored row codes[g, idx[j + AHEAD]] while token idx[j] is decoded (unless j + AHEAD is
+    past `last`): the selected tokens' rows lie apart in memory and out of cache after the weights the step
+    streamed in between; fetched ahead, less of the kernel waits on memory (BENCHMARKS.md, decode speed)."""
+    if j + AHEAD < last:
+        prefetch(np.intp(codes.ctypes.data) + g * codes.strides[0] + idx[j + AHEAD] * codes.strides[1])
 
 
 @inline
@@ -132,12 +92,12 @@ def _unpack(src, at, nbytes, b, step, out, col):
     if b == 4:
         at_src, at_out = np.intp(src.ctypes.data) + at, np.intp(out.ctypes.data) + 4 * col
         while done + 16 <= nbytes:
-            _unpack4(at_src + done, step, at_out + 8 * done)
+            unpack4(at_src + done, step, at_out + 8 * done)
             done += 16
     elif b == 2:
         at_src, at_out = np.intp(src.ctypes.data) + at, np.intp(out.ctypes.data) + 4 * col
         while done + 8 <= nbytes:
-            _unpack2(at_src + done, step, at_out + 16 * done)
+            unpack2(at_src + done, step, at_out + 16 * done)
             done += 8
     _unpack_rest(src, at, done, nbytes, b, step, out, col)
 
@@ -170,6 +130,7 @@ def decode_rows(idx, k, lead_codes, lead_scale, tail_codes, tail_steps, bits, wi
         codes_g, scale_g = lead_codes[g], lead_scale[g]
         for j in range(k):
             t = idx[j]
+            _fetch_ahead(idx, j, k, tail_codes, g)
             s = as_f32(scale_g[t])
             if token_last:
                 for c in range(lead):
@@ -201,6 +162,7 @@ def _int8_rows(idx, first_j, last_j, lead_codes, lead_scale, tail_codes, tail_st
         codes_g, scale_g = lead_codes[g], lead_scale[g]
         for j in range(first_j, last_j):
             t = idx[j]
+            _fetch_ahead(idx, j, last_j, tail_codes, g)
             s = as_f32(scale_g[t])
             dst = out[g, j]
             for c in range(lead):
@@ -257,6 +219,8 @@ def _value_rows(probs, idx, first_j, last_j, lead_codes, lead_scale, tail_codes,
             size = min(TOKENS, last_j - start)
             for b in range(size):
                 t = idx[start + b]
+                _fetch_ahead(idx, start + b, last_j, tail_codes, g)
+                _fetch_ahead(idx, start + b, last_j, lead_codes, g)
                 s = as_f32(scale_g[t])
                 src = codes_g[t]
                 row = block[b]
@@ -299,51 +263,15 @@ def weighted_value_rows(probs, idx, k, lead_codes, lead_scale, tail_codes, tail_
         z += zparts[p]
 
 
-ROW_LANES = 16  # query rows a vector holds (fp32): `latent_key_logits`
-CHAINS = 4  # its sums kept side by side: a multiply-add's latency is about four of its issue slots
-
-if numba is not None:
-
-    def _lane_dots_codegen(context, builder, signature, args):
-        rows, values, steps, out = args
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        vf = ir.VectorType(f32, ROW_LANES)
-        fast = ("fast",)
-
-        def step(i, sums):
-            new = []
-            for c in range(CHAINS):
-                col = builder.add(builder.mul(i, ir.Constant(i64, CHAINS)), ir.Constant(i64, c))
-                value = builder.load(ir_at(builder, values, builder.mul(col, ir.Constant(i64, 4)), f32))
-                at = builder.mul(col, ir.Constant(i64, 4 * ROW_LANES))
-                row = builder.load(ir_at(builder, rows, at, vf), align=4)
-                product = builder.fmul(row, ir_splat(builder, value, vf), flags=fast)
-                new.append(builder.fadd(sums[c], product, flags=fast))
-            return new
-
-        sums = ir_loop(builder, steps, [ir.Constant(vf, [0.0] * ROW_LANES)] * CHAINS, step)
-        total = sums[0]
-        for c in range(1, CHAINS):
-            total = builder.fadd(total, sums[c], flags=fast)
-        builder.store(total, ir_at(builder, out, ir.Constant(i64, 0), vf), align=4)
-        return context.get_dummy_value()
-
-    @intrinsic
-    def _lane_dots(typingctx, rows, values, steps, out):
-        """out[l] = sum over c < CHAINS * steps of values[c] * rows[c, l], l < ROW_LANES (rows fp32
-        [., ROW_LANES], values and out fp32; addresses and the step count as 64-bit integers, steps >= 1)."""
-        return types.void(types.intp, types.intp, types.intp, types.intp), _lane_dots_codegen
-
-
 @kernel
 def latent_key_logits(logits, off, idx, k, qfull, lead, scaling, tail_codes, tail_steps, bits, widths, out):
     """Logits out[r, j] of post-RoPE keys on the selected tokens idx[:k]: their lead-band logits from the
     scoring (logits[r, off + idx[j]]) plus the lower bands' share, the query rows' lower-band coefficients
     qfull[r, lead:] times `scaling` dotted with each token's decoded lower bands (tail_codes [G, N, bytes],
     tail_steps [G, N, bands]). The R rows split evenly over the G basis groups, in group order. A token's
-    bands are decoded once and each value multiplies every row of its group at once (`_lane_dots`: the rows
-    as one vector's lanes, four sums side by side); a dot per row ends in a sum across lanes and chains its
-    adds, which ran at about two thirds of this speed (`research.profile_kernels`)."""
+    bands are decoded once and each value multiplies every row of its group at once (`intrinsics.lane_dots`:
+    the rows as one vector's lanes, four sums side by side); a dot per row ends in a sum across lanes and
+    chains its adds, which ran at about two thirds of this speed (`research.profile_kernels`)."""
     nrows = qfull.shape[0]
     width = qfull.shape[1] - lead
     groups = tail_codes.shape[0]
@@ -368,10 +296,11 @@ def latent_key_logits(logits, off, idx, k, qfull, lead, scaling, tail_codes, tai
     for j in range(k):
         t = idx[j]
         for g in range(groups):
+            _fetch_ahead(idx, j, k, tail_codes, g)
             if width:
                 decode_tail(tail_codes[g, t], tail_steps[g, t], bits, widths, dec)
             for b in range(blocks):
-                _lane_dots(at_lanes + g * group_stride + b * block_stride, at_dec, steps, at_sums)
+                lane_dots(at_lanes + g * group_stride + b * block_stride, at_dec, steps, at_sums)
                 first = g * per + b * ROW_LANES
                 for lane in range(min(ROW_LANES, per - b * ROW_LANES)):
                     out[first + lane, j] = logits[first + lane, off + t] + sums[lane]

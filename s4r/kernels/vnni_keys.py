@@ -54,7 +54,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import ir_at, ir_loop, ir_splat
+    from s4r.kernels.intrinsics import ir_at, ir_loop, ir_splat
 
     def _sums_codegen(lanes: int):
         """LLVM IR of `_sums_four_tokens` over 16 * lanes columns."""

@@ -32,7 +32,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from s4r.kernels.jit import ir_at, ir_loop, ir_splat
+    from s4r.kernels.intrinsics import ir_at, ir_loop, ir_splat
 
     def _run_codegen(rows: int):
         """LLVM IR of `_run` for `rows` query rows."""
