@@ -160,3 +160,45 @@ if ir is not None:
         [., ROW_LANES], values and out fp32; addresses and the step count as 64-bit integers, steps >= 1):
         the query rows as one vector's lanes, CHAINS sums side by side."""
         return types.void(types.intp, types.intp, types.intp, types.intp), _lane_dots_codegen
+
+    def _row_sums_codegen(chunks: int):
+        """LLVM IR of `row_sums` over `chunks` 16-lane column chunks."""
+
+        def codegen(context, builder, signature, args):
+            block, row_bytes, weights, tokens, acc = args
+            f32, i64 = ir.FloatType(), ir.IntType(64)
+            vf = ir.VectorType(f32, 16)
+            fast = ("fast",)
+            first = [builder.load(ir_at(builder, acc, ir.Constant(i64, 64 * c), vf), align=4)
+                     for c in range(chunks)]
+
+            def step(b, sums):
+                weight = builder.load(ir_at(builder, weights, builder.mul(b, ir.Constant(i64, 4)), f32))
+                weight = ir_splat(builder, weight, vf)
+                row = builder.mul(b, row_bytes)
+                new = []
+                for c in range(chunks):
+                    at = builder.add(row, ir.Constant(i64, 64 * c))
+                    values = builder.load(ir_at(builder, block, at, vf), align=4)
+                    new.append(builder.fadd(sums[c], builder.fmul(weight, values, flags=fast), flags=fast))
+                return new
+
+            sums = ir_loop(builder, tokens, first, step)
+            for c in range(chunks):
+                builder.store(sums[c], ir_at(builder, acc, ir.Constant(i64, 64 * c), vf), align=4)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _row_sums_intrinsic(chunks: int):
+        """An intrinsic: acc[:16 * chunks] += sum over b < tokens of weights[b] * block row b (fp32; the
+        rows row_bytes apart), each column's sum in order over b, one sum a 16-lane chunk kept in a register
+        throughout (tokens >= 1)."""
+
+        def run(typingctx, block, row_bytes, weights, tokens, acc):
+            return types.void(*([types.intp] * 5)), _row_sums_codegen(chunks)
+
+        run.__name__ = f"row_sums_{chunks}"
+        return intrinsic(run)
+
+    row_sums_6, row_sums_4, row_sums_2, row_sums_1 = (_row_sums_intrinsic(c) for c in (6, 4, 2, 1))

@@ -15,9 +15,13 @@ def query_rotations(layer, v, n: int, d: int, positions: int) -> tuple:
     """(undo, cos_q, sin_q [Q, d], chunk cos [C, d], chunk sin [C, d], bounds [C + 1]) of a fused step's
     `positions` (Q) queries over the layer's n stored tokens (v: the layer's views in `s4r_step`); the
     chunks' rotations are taken from the last query, as the eager step's."""
-    if not v.pre_rope:
-        return (False, np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.ones((1, d), np.float32),
-                np.zeros((1, d), np.float32), np.array([0, n], dtype=np.int64))
+    if not v.pre_rope:  # no rotation: the same arrays serve every step until the stored count changes
+        kept = getattr(v, "identity_rotations", None)
+        if kept is None or kept[0] != (n, d):
+            ones, zeros = np.ones((1, d), np.float32), np.zeros((1, d), np.float32)
+            bounds = np.array([0, n], np.int64)
+            kept = v.identity_rotations = ((n, d), (False, ones, zeros, ones, zeros, bounds))
+        return kept[1]
     end = layer.logical if layer.query_end is None else layer.query_end
     expected, chunk = v.expected, v.chunk or n
 

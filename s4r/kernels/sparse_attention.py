@@ -28,7 +28,16 @@ if numba is not None:
     from numba import types
     from numba.extending import overload
 
-    from s4r.kernels.intrinsics import lane_dots, prefetch, unpack2, unpack4
+    from s4r.kernels.intrinsics import (
+        lane_dots,
+        prefetch,
+        row_sums_1,
+        row_sums_2,
+        row_sums_4,
+        row_sums_6,
+        unpack2,
+        unpack4,
+    )
     from s4r.kernels.jit import round_bf16
 
     def stored(x, arr):  # pragma: no cover - replaced by its overload inside kernels
@@ -201,6 +210,29 @@ TOKENS = 16  # value rows decoded and combined a block at a time: each output ro
 
 
 @inline
+def _add_weighted_rows(block, weights, size, acc):
+    """acc += sum over b < size of weights[b] * block[b] (fp32 rows of whole 16-lane chunks), six chunks
+    at a time in registers (`intrinsics.row_sums_*`): a loop over the columns kept each sum in memory."""
+    at_block, at_w = np.intp(block.ctypes.data), np.intp(weights.ctypes.data)
+    at_acc = np.intp(acc.ctypes.data)
+    row_bytes, chunks, c = np.intp(block.strides[0]), acc.shape[0] // 16, 0
+    while c < chunks:
+        at = np.intp(64 * c)
+        if chunks - c >= 6:
+            row_sums_6(at_block + at, row_bytes, at_w, np.intp(size), at_acc + at)
+            c += 6
+        elif chunks - c >= 4:
+            row_sums_4(at_block + at, row_bytes, at_w, np.intp(size), at_acc + at)
+            c += 4
+        elif chunks - c >= 2:
+            row_sums_2(at_block + at, row_bytes, at_w, np.intp(size), at_acc + at)
+            c += 2
+        else:
+            row_sums_1(at_block + at, row_bytes, at_w, np.intp(size), at_acc + at)
+            c += 1
+
+
+@inline
 def _value_rows(probs, idx, first_j, last_j, lead_codes, lead_scale, tail_codes, tail_steps, bits, widths, z):
     """z[b, m, :] = `weighted_value_rows`' sums over the selected tokens first_j <= j < last_j."""
     groups, rows, rank = z.shape
@@ -232,12 +264,7 @@ def _value_rows(probs, idx, first_j, last_j, lead_codes, lead_scale, tail_codes,
                 for b in range(TOKENS):
                     weights[m, b] = probs[g * rows + m, start + b] if b < size else np.float32(0.0)
             for m in range(rows):
-                am, w = acc[m], weights[m]
-                for c in range(padded):
-                    total = am[c]
-                    for b in range(TOKENS):
-                        total += w[b] * block[b, c]
-                    am[c] = total
+                _add_weighted_rows(block, weights[m], size, acc[m])
         for m in range(rows):
             for c in range(rank):
                 z[g, m, c] = acc[m, c]
