@@ -363,14 +363,18 @@ def _key_logits(q: np.ndarray, keys: np.ndarray, idx: np.ndarray, pos0: int, coa
         key_logits_product(q, rotated, k, scaling, out)
 
 
-def attend_layer(layer, query: torch.Tensor, scaling: float,
-                 with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def attend_layer(layer, query: torch.Tensor, scaling: float, with_lse: bool,
+                 one_token=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`LowRankLayer.attend_folded` through the fused kernels, or None where they do not apply (or
-    failed, after which the eager path runs for the rest of the process)."""
+    failed, after which the eager path runs for the rest of the process). `one_token`: the module
+    `one_token_step` (below this one's import floor, so passed in), which takes the steps it applies to."""
     if (views := _usable_views(layer, query)) is None:
         return None
     try:
-        out, lse = attend([layer], query, scaling, [views])[0]
+        if one_token is not None and one_token.applies(views, query) and jit.parts() == 1:
+            out, lse = one_token.attend_one(layer, views, query, scaling)
+        else:
+            out, lse = attend([layer], query, scaling, [views])[0]
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile here: eager from now on
         jit.mark_failed(exc)
         return None

@@ -285,9 +285,10 @@ class LowRankLayer(StoredViews, LatentSelection, KeyRebuild, CacheLayer):
                       with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of `query` [1, Hq, q, d] over this layer's tokens, query heads folded per KV head:
         (fp32 output [H, group*q, d], logsumexp [H, group*q] when `with_lse`), see `merged_attention`."""
-        from s4r.kernels.s4r_step import attend_layer  # numba loads only where a step asks for it
+        from s4r.kernels import one_token_step  # numba loads only where a step asks for it
+        from s4r.kernels.s4r_step import attend_layer
 
-        if (fused := attend_layer(self, query, scaling, with_lse)) is not None:
+        if (fused := attend_layer(self, query, scaling, with_lse, one_token_step)) is not None:
             return fused
         qf, exact_logits, q_len = self.exact_step(query, scaling)
         chosen = self._select_and_score(qf, exact_logits, q_len, scaling) if self._n else None
