@@ -7,7 +7,8 @@ inside the step, on real layers of a book prefill, with the step's floor beside.
     python -m research.profile_kernels -m qwen3-0.6b --random-weights --tokens 32768 --prefill 2048
 
 Each kernel is wrapped with a clock (the step's own total is timed unwrapped too); `rest` is the step
-less its kernels: the int8 key products (torch), the update and the Python between kernels.
+less its kernels: the int8 key products (torch), the update and the Python between kernels. A post-RoPE
+layer's one-token step shows its three calls (`_before_scoring`, the scoring, `_after_scoring`).
 The floor is `s4r.bench.floors.s4r_floor` (bytes a one-query step must read, multiply-adds it must do).
 """
 
@@ -27,7 +28,7 @@ from s4r.core.budget import solve_ranks
 from s4r.core.compress import compress_layer
 from s4r.core.rope import model_rope_fn
 from s4r.hf.attention import causal_attention
-from s4r.kernels import s4r_step
+from s4r.kernels import one_token_step, s4r_step
 
 KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "vnni_latent_logits",
            "normaliser", "combine_normalisers", "pooled_relevance", "choose_tokens", "decode_rows",
@@ -35,7 +36,9 @@ KERNELS = ("query_rows", "project_queries", "exact_logits", "latent_logits", "vn
            "softmax_exact_values", "weighted_value_rows", "add_value_basis", "query_rotations",
            "window_rows", "exact_logits_product", "mask_later_tokens", "rotate_keys", "key_logits_product",
            "key_pair_logits", "exact_values_product", "value_rows_product", "value_pair_rows",
-           "add_value_basis_product")
+           "add_value_basis_product", "_before_scoring", "_after_scoring")
+# a post-RoPE layer's one-token step runs these three calls instead (`s4r.kernels.one_token_step`)
+ONE_TOKEN = ("_before_scoring", "latent_logits", "vnni_latent_logits", "_after_scoring")
 
 
 def clocked(times: dict[str, float], name: str, fn):
@@ -111,15 +114,17 @@ def main(argv: list[str] | None = None) -> int:
                 all_k, all_v = torch.cat([keys[None], new], 2), torch.cat([values[None], new], 2)
                 exact = timed(lambda q=query, k=all_k, v=all_v, s=scaling: causal_attention(q, k, v, s))
                 times: dict[str, float] = collections.defaultdict(float)
-                originals = {name: getattr(s4r_step, name) for name in KERNELS}
-                for name, fn in originals.items():
-                    setattr(s4r_step, name, clocked(times, name, fn))
+                originals = [(s4r_step, name) for name in KERNELS if hasattr(s4r_step, name)]
+                originals = [(mod, name, getattr(mod, name)) for mod, name in
+                             originals + [(one_token_step, name) for name in ONE_TOKEN]]
+                for mod, name, fn in originals:
+                    setattr(mod, name, clocked(times, name, fn))
                 try:
                     times.clear()
                     wrapped = timed(step)
                 finally:
-                    for name, fn in originals.items():
-                        setattr(s4r_step, name, fn)
+                    for mod, name, fn in originals:
+                        setattr(mod, name, fn)
                 per = {name: 1000 * times[name] / args.repeats for name in KERNELS}
                 nbytes, macs = s4r_floor(layer, query.shape[1])
                 full_bytes, _ = full_floor(all_k.shape[2], keys.shape[0], keys.shape[2], query.shape[1],

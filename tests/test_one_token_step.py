@@ -6,6 +6,7 @@ exactly where it applies."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ from tests.test_fused_kernels import CONFIGS, D, kv_data, rope_for
 
 pytest.importorskip("numba")
 
-POST_ROPE = ["post-rope", "post-rope-int8", "post-rope-per-head"]
+POST_ROPE = ["post-rope", "post-rope-int8", "post-rope-per-head", "post-rope-top120"]
+# a fixed count just under a buffer bucket: the forced recent tokens come on top of it, past the bucket
+CONFIGS = {**CONFIGS, "post-rope-top120": replace(CONFIGS["post-rope"], top_k=120, recon_drop=None)}
 
 
-def compressed(name: str, q_heads: int, kv_heads: int, dtype: torch.dtype):
+def compressed(name: str, q_heads: int, kv_heads: int, dtype: torch.dtype, tokens: int = 700):
     cfg = CONFIGS[name]
-    keys, values, queries = kv_data(kv_heads, q_heads, 700, dtype)
+    keys, values, queries = kv_data(kv_heads, q_heads, tokens, dtype)
     return compress_layer(keys, values, queries, cfg, cfg.rank_k, cfg.rank_v, rope_for(q_heads, kv_heads))
 
 

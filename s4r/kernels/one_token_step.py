@@ -99,7 +99,8 @@ def attend_one(layer, v, query: torch.Tensor, scaling: float) -> tuple[torch.Ten
     score = vnni_latent_logits if v.vnni_scoring else latent_logits
     score(q8, qscale, bounds, v.ck, v.sk, n, rows, logits, 0, 1)
     picked = s.np("picked", (n,), torch.int64)
-    sel = s.np("sel", (nrows, max(BUCKET, -(-most // BUCKET) * BUCKET)))
+    chosen = max(fewest, most) + min(forced, n)  # the most `choose_tokens` picks: top ones, forced tail
+    sel = s.np("sel", (nrows, max(BUCKET, -(-chosen // BUCKET) * BUCKET)))
     out, lse = np.empty((heads, rows, d), np.float32), np.empty((heads, rows), np.float32)
     drop = v.drop
     count = _after_scoring(
