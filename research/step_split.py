@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from research.profile_kernels import clocked
 from s4r.bench.config import parse_lengths
 from s4r.bench.decode_speed import book_ids, staged_cache, tiled
 from s4r.core.rope import model_rope_fn
@@ -28,15 +29,6 @@ from s4r.methods import CompressContext, make_method
 
 CLOCKED = {"_before_scoring": "before the scoring", "vnni_latent_logits": "scoring",
            "latent_logits": "scoring", "_after_scoring": "after the scoring", "attend_one": "one-token step"}
-
-
-def _clocked(fn, label: str, totals: dict[str, float]):
-    def run(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        totals[label] += time.perf_counter() - t0
-        return out
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[str, float] = collections.defaultdict(float)
     originals = {name: getattr(one_token_step, name) for name in CLOCKED}
     for name, label in CLOCKED.items():
-        setattr(one_token_step, name, _clocked(originals[name], label, totals))
+        setattr(one_token_step, name, clocked(totals, label, originals[name]))
     try:
         with torch.inference_mode():
             staged = tiled(staged_cache(model, ids[:512]), length)
@@ -71,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                 context = CompressContext(model_rope_fn(model), args.ratio)
                 make_method(method, args.ratio).compress(cache, context)
                 # registered after the compression, which installs s4r's own attention function
-                AttentionInterface.register(attn_mod.ATTN_NAME, _clocked(attn_mod.s4r_attention,
-                                                                         "attention function", totals))
+                AttentionInterface.register(attn_mod.ATTN_NAME, clocked(totals, "attention function",
+                                                                        attn_mod.s4r_attention))
                 update = cache.update
-                cache.update = _clocked(update, "cache update", totals)
+                cache.update = clocked(totals, "cache update", update)
                 for tok in toks[:4]:
                     forward_tokens(model, cache, tok, cache.logical_length())
                 totals.clear()
