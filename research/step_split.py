@@ -5,7 +5,8 @@ layer's step alone).
     python -m research.step_split --length 7600 --methods full,s4r-fast,s4r --ratio 5 --steps 48
 
 Per layer: the cache's `update`, the registered attention function, and for a post-RoPE one-token layer
-(`s4r.kernels.one_token_step`) its three compiled calls and the Python around them. The cache is a
+(`s4r.kernels.one_token_step`) its three compiled calls. The clocks nest: the attention function holds the
+one-token step, which holds the three calls; each difference is Python between them. The cache is a
 512-token book prefill tiled to the length (`s4r.bench.decode_speed.tiled`), as in `research.profile_step`.
 """
 
@@ -65,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 # registered after the compression, which installs s4r's own attention function
                 AttentionInterface.register(attn_mod.ATTN_NAME, clocked(totals, "attention function",
                                                                         attn_mod.s4r_attention))
-                update = cache.update
-                cache.update = clocked(totals, "cache update", update)
+                cache.update = clocked(totals, "cache update", cache.update)
                 for tok in toks[:4]:
                     forward_tokens(model, cache, tok, cache.logical_length())
                 totals.clear()
